@@ -1,0 +1,1 @@
+"""minillm: a from-scratch NumPy runtime for decoder-only transformers, built to teach inference."""
