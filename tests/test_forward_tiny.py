@@ -1,0 +1,118 @@
+"""The forward pass on a tiny random Llama (transformers, seeded): parity, cache, causal mask."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillm import layers
+from minillm.config import ModelConfig
+from minillm.errors import KVCacheFullError, KVCacheMismatchError
+from minillm.kv_cache import KVCache
+from minillm.model import Transformer
+from minillm.weights import load_weights
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A 3-layer Llama with GQA (8 heads, 2 kv heads), untied head, saved with save_pretrained."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    )
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(folder)
+    config = ModelConfig.from_folder(folder)
+    return hf, Transformer(config, load_weights(folder, config))
+
+
+def hf_logits(hf, ids: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return hf(torch.tensor(ids[None])).logits[0].numpy()
+
+
+def test_prefill_and_decode_match_transformers(tiny_llama, rng):
+    hf, model = tiny_llama
+    ids = rng.integers(0, VOCAB, size=24)
+    expected = hf_logits(hf, ids)  # [24, vocab]
+    cache = KVCache.for_model(model.config, max_seq_len=64)
+    got = [model.forward(ids[:16], cache)]  # prefill 16 positions
+    for t in range(16, 24):  # 8 decode steps, one position each
+        got.append(model.forward(ids[t : t + 1], cache))
+    got = np.concatenate(got)
+    assert got.dtype == np.float32
+    assert np.abs(got - expected).max() < 1e-4
+    assert cache.length == 24
+
+
+def test_cached_decode_equals_full_recomputation(tiny_llama, rng):
+    _, model = tiny_llama
+    ids = rng.integers(0, VOCAB, size=20)
+    cache = KVCache.for_model(model.config, max_seq_len=32)
+    steps = [model.forward(ids[:5], cache, last_only=True)[0]]
+    for t in range(5, 20):
+        steps.append(model.forward(ids[t : t + 1], cache)[0])
+    full = model.forward(ids)  # no cache: attends over all 20 positions from scratch
+    np.testing.assert_allclose(np.stack(steps), full[4:], atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_changing_a_later_token_never_changes_earlier_logits(tiny_llama, data):
+    _, model = tiny_llama
+    n = data.draw(st.integers(2, 24), label="length")
+    ids = np.array(data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n)))
+    pos = data.draw(st.integers(1, n - 1), label="changed position")
+    changed = ids.copy()
+    changed[pos] = (ids[pos] + data.draw(st.integers(1, VOCAB - 1))) % VOCAB
+    a, b = model.forward(ids), model.forward(changed)
+    np.testing.assert_array_equal(a[:pos], b[:pos])  # exactly equal, not merely close
+    assert not np.array_equal(a[pos:], b[pos:])
+
+
+def test_causal_mask_picture():
+    mask = layers.causal_mask(4, 4)
+    assert (mask == 0).tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, True, True, False],
+        [True, True, True, True],
+    ]
+    step = layers.causal_mask(1, 5, offset=4)  # a decode step at position 4 sees all 5 keys
+    assert (step == 0).all() and step.shape == (1, 5)
+    assert mask.dtype == np.float32 and np.isneginf(mask[0, 1])
+
+
+def test_kv_cache_sizes_and_errors(tiny_llama):
+    _, model = tiny_llama
+    cfg = model.config
+    cache = KVCache.for_model(cfg, max_seq_len=10)
+    assert cache.keys.shape == (3, 2, 10, 8)
+    assert cache.nbytes == 2 * 3 * 2 * 8 * 10 * 4
+    assert cache.bytes_per_token == 2 * 3 * 2 * 8 * 4 == cfg.kv_bytes_per_token()
+    model.forward(np.arange(6), cache)
+    assert cache.length == 6 and cache.used_bytes == 6 * cache.bytes_per_token
+    with pytest.raises(KVCacheFullError, match="holds 10 positions, 6 are filled and 5 more"):
+        model.forward(np.arange(5), cache)
+    assert cache.length == 6  # a refused write changes nothing
+    cache.truncate(2)
+    assert cache.length == 2
+    cache.reset()
+    assert cache.length == 0
+    other = KVCache(num_layers=2, num_kv_heads=2, head_dim=8, max_seq_len=10)
+    with pytest.raises(KVCacheMismatchError, match="KVCache.for_model"):
+        model.forward(np.arange(3), other)
+    with pytest.raises(KVCacheFullError, match="longer than the model's context of 128"):
+        KVCache.for_model(cfg, max_seq_len=129)
