@@ -1,1 +1,35 @@
-"""minillm: a from-scratch NumPy runtime for decoder-only transformers, built to teach inference."""
+"""minillm: a from-scratch NumPy runtime for decoder-only transformers, built to teach inference.
+
+    model = minillm.load("smollm2-135m-instruct")
+    ids = minillm.tokenize(model, "The capital of France is")
+    cache = minillm.KVCache.for_model(model.config, max_seq_len=256)
+    logits = minillm.prefill(model, ids, cache)          # [vocab]; cache.length == len(ids)
+    tok = minillm.sample(logits, minillm.SamplingParams(temperature=0.0))
+    logits = minillm.decode_step(model, tok, cache)      # cache.length += 1
+    print(minillm.detokenize(model, [tok]))
+"""
+
+from .config import ModelConfig
+from .errors import MiniLLMError
+from .kv_cache import KVCache
+from .lifecycle import (
+    GenerationResult,
+    Model,
+    decode_step,
+    detokenize,
+    generate,
+    load,
+    prefill,
+    sample,
+    stream,
+    tokenize,
+)
+from .sampling import SamplingParams
+from .stopping import StopReason
+from .trace import Tracer
+
+__all__ = [
+    "GenerationResult", "KVCache", "MiniLLMError", "Model", "ModelConfig", "SamplingParams", "StopReason",
+    "Tracer", "decode_step", "detokenize", "generate", "load", "prefill", "sample", "stream", "tokenize",
+]
+__version__ = "0.1.0"

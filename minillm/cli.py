@@ -1,0 +1,116 @@
+"""The ``minillm`` command: run a traced request, chat, or list the models it knows.
+
+    minillm run "The capital of France is"          # completion, traced
+    minillm chat "What is the capital of France?"   # through the chat template
+    minillm models                                  # the manifest
+
+Errors minillm raises on purpose (``MiniLLMError``) print as one clear message, no traceback
+(``--debug`` shows it), and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from .errors import MiniLLMError
+
+
+def _add_request_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--model", "-m", default=None,
+                   help="a name from `minillm models` or a local model folder (default: the manifest's default)")
+    p.add_argument("--max-new-tokens", "-n", type=int, default=48, help="budget of new tokens (default 48)")
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x top probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same tokens)")
+    p.add_argument("--verbosity", "-v", choices=("quiet", "summary", "steps", "full"), default="steps",
+                   help="how much of the trace to print (default steps)")
+    p.add_argument("--trace-json", metavar="PATH", default=None,
+                   help="also write the trace events as JSON lines to PATH")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minillm", description="A traced, from-scratch NumPy LLM runtime.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="complete a prompt (no chat template), with a trace")
+    _add_request_args(run)
+    chat = sub.add_parser("chat", help="answer a user message through the model's chat template")
+    _add_request_args(chat)
+    chat.add_argument("--system", default=None, help="an optional system message")
+    models = sub.add_parser("models", help="list the models in weights_manifest.toml")
+    models.add_argument("--debug", action="store_true")
+    return parser
+
+
+def _cmd_models(console: Console) -> int:
+    from .hub import cache_root
+    from .manifest import load_manifest
+
+    table = Table(title="models (weights_manifest.toml)", title_justify="left")
+    for col in ("name", "family", "license", "cached", "sources"):
+        table.add_column(col)
+    for name, entry in load_manifest().items():
+        sources = []
+        if entry.hub is not None:
+            sources.append(f"hub {entry.hub.repo}")
+        if entry.offline is not None:
+            sources.append(f"offline {entry.offline.summary()}")
+        cached = "yes" if (cache_root() / "models" / name).is_dir() else "no"
+        table.add_row(name + (" (default)" if entry.default else ""), entry.family, entry.license,
+                      cached, "\n".join(sources))
+    console.print(table)
+    return 0
+
+
+def _cmd_request(args: argparse.Namespace, console: Console) -> int:
+    from . import lifecycle
+    from .sampling import SamplingParams
+    from .trace import Tracer
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    tracer = Tracer(console, verbosity=args.verbosity)
+    model = lifecycle.load(args.model, tracer=tracer)
+    if args.command == "chat":
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt: str | list = messages + [{"role": "user", "content": args.prompt}]
+    else:
+        prompt = args.prompt
+    result = lifecycle.generate(model, prompt, params, max_new_tokens=args.max_new_tokens,
+                                chat=args.command == "chat", tracer=tracer)
+    if args.verbosity == "quiet":
+        console.print(result.text, markup=False, highlight=False)
+    if args.trace_json:
+        with open(args.trace_json, "w", encoding="utf-8") as f:
+            f.write(tracer.to_jsonl())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``minillm`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    console = Console(highlight=False)
+    try:
+        if args.command == "models":
+            return _cmd_models(console)
+        return _cmd_request(args, console)
+    except MiniLLMError as exc:
+        if args.debug:
+            raise
+        Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", markup=True, highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        Console(stderr=True).print("[yellow]interrupted[/]")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

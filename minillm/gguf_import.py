@@ -1,0 +1,429 @@
+"""GGUF file -> Hugging Face-style folder (float32 safetensors + tokenizer.json + configs).
+
+A GGUF (llama.cpp's format) is one file holding everything: metadata (shapes, RoPE base, the
+vocabulary, merges, chat template) and quantized tensors. The rest of minillm reads the Hugging Face
+layout, so this module translates once, at download time:
+
+    GGUF metadata  -> config.json, generation_config.json, tokenizer_config.json
+    GGUF tokens    -> tokenizer.json (built with the `tokenizers` library)
+    GGUF tensors   -> model.safetensors (dequantized to float32 by `gguf.quants.dequantize`)
+
+Two translations are not just renames, and each has a comment where it happens:
+- GGUF lists a tensor's dims fastest-first (`[in, out]`); NumPy wants `[out, in]`.
+- llama.cpp reorders q_proj/k_proj rows for its interleaved RoPE; we undo that for HF's half-split.
+
+Family differences live in the `ARCHITECTURES` table (metadata keys and tensor names), and tokenizer
+pre-splitting rules in `PRE_TOKENIZERS`; add a family or a `tokenizer.ggml.pre` there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import re
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import GGUFError
+
+GGUF_MAGIC = b"GGUF"
+_REQUIRED = object()  # marks a metadata key that has no sensible default
+
+
+# --- per-architecture tables -------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one GGUF `general.architecture` maps onto a Hugging Face config and tensor names."""
+
+    model_type: str  # HF config.json "model_type"
+    hf_class: str  # HF config.json "architectures"[0]
+    # HF config field -> (GGUF key below "{arch}.", default or _REQUIRED; None = derived later)
+    config_keys: dict[str, tuple[str, Any]]
+    fixed_config: dict[str, Any]
+    global_tensors: dict[str, str]  # GGUF name -> HF name
+    block_tensors: dict[str, str]  # GGUF name after "blk.{i}." -> HF name after "model.layers.{i}."
+    # block tensors whose rows llama.cpp permuted for RoPE -> HF config field with their head count
+    rope_permuted: dict[str, str] = field(default_factory=dict)
+
+
+LLAMA = ArchSpec(
+    model_type="llama",
+    hf_class="LlamaForCausalLM",
+    config_keys={
+        "hidden_size": ("embedding_length", _REQUIRED),
+        "intermediate_size": ("feed_forward_length", _REQUIRED),
+        "num_hidden_layers": ("block_count", _REQUIRED),
+        "num_attention_heads": ("attention.head_count", _REQUIRED),
+        "num_key_value_heads": ("attention.head_count_kv", None),  # absent: same as head_count
+        "head_dim": ("attention.key_length", None),  # absent: hidden_size // head_count
+        "max_position_embeddings": ("context_length", _REQUIRED),
+        "rms_norm_eps": ("attention.layer_norm_rms_epsilon", _REQUIRED),
+        "rope_theta": ("rope.freq_base", 10000.0),
+        "vocab_size": ("vocab_size", None),  # absent: number of tokens
+    },
+    fixed_config={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+    global_tensors={
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",  # absent when the LM head is tied to the embedding
+    },
+    block_tensors={
+        "attn_norm.weight": "input_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    },
+    rope_permuted={"attn_q.weight": "num_attention_heads", "attn_k.weight": "num_key_value_heads"},
+)
+
+#: general.architecture -> its table. gemma3 goes here next (norms as 1 + w, QK-norm, extra norms).
+ARCHITECTURES: dict[str, ArchSpec] = {"llama": LLAMA}
+
+
+# --- tokenizer pre-splitting rules (tokenizer.ggml.pre -> pre-tokenizer builder) ----------------
+def _gpt2_pre_tokenizer():
+    from tokenizers import pre_tokenizers
+
+    # GPT-2's regex: 's|'t|... | ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+, then bytes -> chars
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _smollm_pre_tokenizer():
+    from tokenizers import pre_tokenizers
+
+    # llama.cpp's 'smollm' splits off every \p{N} character first, then applies GPT-2's regex; the
+    # real SmolLM2 tokenizer.json says the same with Digits(individual_digits=True). So each digit,
+    # and a character like "½", is its own piece, never glued to a leading space as in GPT-2's
+    # " ?\p{N}+". (transformers' GGUF loader does not know 'smollm': " = ½" differs there.)
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), _gpt2_pre_tokenizer()]
+    )
+
+
+PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {
+    "gpt2": _gpt2_pre_tokenizer,
+    "default": _gpt2_pre_tokenizer,
+    "smollm": _smollm_pre_tokenizer,
+}
+
+
+# --- public API ---------------------------------------------------------------------------------
+def import_gguf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    progress: bool = True,
+    source: dict | None = None,
+) -> pathlib.Path:
+    """Convert a GGUF file into a Hugging Face-style folder at out_dir (created; must not exist or be empty).
+
+    Writes into ``out_dir``:
+
+    - ``config.json``: HF field names for the architecture (llama -> ``LlamaForCausalLM``);
+      ``tie_word_embeddings`` is true when the GGUF has no ``output.weight``.
+    - ``model.safetensors``: every tensor dequantized to float32 under its HF name, shaped
+      ``[out_features, in_features]`` (e.g. q_proj ``[n_heads * head_dim, d_model]``, embeddings
+      ``[vocab, d_model]``, norms ``[d_model]``); q/k rows put back in HF's half-split RoPE order.
+    - ``tokenizer.json`` (byte-level BPE from the GGUF vocabulary and merges), ``tokenizer_config.json``
+      (special tokens, chat template), ``generation_config.json`` (bos/eos ids).
+    - ``minillm_source.json``: file name, sha256, size, quantization summary, plus the ``source``
+      dict's keys (e.g. where the file came from); the measured values win over same-named keys.
+
+    Returns ``out_dir`` as a Path. Raises :class:`~minillm.errors.GGUFError` when the file is
+    missing, is not a GGUF, is truncated or unreadable, has an unsupported architecture, tokenizer
+    or tensor type, or when ``out_dir`` already holds files.
+    """
+    gguf_path, out_dir = pathlib.Path(gguf_path), pathlib.Path(out_dir)
+    reader, meta = _read_gguf(gguf_path)
+    arch_name = meta.get("general.architecture")
+    if arch_name not in ARCHITECTURES:
+        raise GGUFError(
+            f"{gguf_path.name}: architecture {arch_name!r} is not supported (supported: "
+            f"{sorted(ARCHITECTURES)}); pick a GGUF of a supported family, or add an entry to "
+            "minillm.gguf_import.ARCHITECTURES"
+        )
+    spec = ARCHITECTURES[arch_name]
+    _check_tensor_types(gguf_path, reader)
+    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+    config = _build_config(gguf_path, spec, arch_name, meta, reader, n_tokens=len(tokens))
+    plan = _plan_tensors(gguf_path, spec, reader, config)
+    tokenizer, pre_used = _build_tokenizer(gguf_path, meta)
+
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise GGUFError(f"output folder {out_dir} is not empty; remove it or choose another folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tensors = _convert_tensors(gguf_path, spec, plan, config, progress)
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta, tokens, config))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id")}
+    _write_json(out_dir / "generation_config.json", generation)
+    facts = {
+        "gguf_file": gguf_path.name,
+        "gguf_sha256": _sha256(gguf_path),
+        "gguf_size": gguf_path.stat().st_size,
+        "architecture": arch_name,
+        "quantization": quantization_summary(reader),
+        "dequantized_to": "float32",
+        "pre_tokenizer": pre_used,
+    }
+    _write_json(out_dir / "minillm_source.json", {**(source or {}), **facts})  # measured facts win
+    return out_dir
+
+
+def quantization_summary(reader) -> str:
+    """Say which tensor types a GGUF holds, e.g. ``"Q4_1 (token_embd Q8_0)"``.
+
+    The main type is the most common among the big (non-F32) tensors; others follow in brackets,
+    by tensor name when only one tensor has that type, else as a count.
+    """
+    quantized = [(t.name, t.tensor_type.name) for t in reader.tensors if t.tensor_type.name != "F32"]
+    if not quantized:
+        return "F32"
+    counts = Counter(kind for _, kind in quantized)
+    main = counts.most_common(1)[0][0]
+    others = []
+    for kind, n in sorted(counts.items()):
+        if kind == main:
+            continue
+        names = [name.removesuffix(".weight") for name, k in quantized if k == kind]
+        others.append(f"{names[0]} {kind}" if n == 1 else f"{kind} x{n}")
+    return main + (f" ({', '.join(others)})" if others else "")
+
+
+# --- reading ------------------------------------------------------------------------------------
+def _read_gguf(path: pathlib.Path) -> tuple[Any, dict[str, Any]]:
+    """(GGUFReader, metadata dict) after checking the file exists and starts with b"GGUF".
+
+    Every failure is a GGUFError: missing file, wrong magic, truncated or corrupt contents.
+    """
+    if not path.is_file():
+        raise GGUFError(f"GGUF file not found: {path}; check the path, or fetch the model again")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise GGUFError(
+            f"{path} is not a GGUF file: it starts with {magic!r}, not {GGUF_MAGIC!r}; "
+            "pass a .gguf file (a partial download or an HTML error page looks like this)"
+        )
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path, "r")
+        return reader, {name: _field_value(f) for name, f in reader.fields.items()}
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, OSError) as exc:
+        # The reader memory-maps the file and slices it by the sizes in its header, so a short file
+        # shows up as a NumPy reshape/view error; say what it means instead.
+        raise GGUFError(
+            f"cannot read GGUF {path} ({path.stat().st_size:,} bytes): {exc}. The file is probably "
+            "truncated or corrupt (download it again and check its sha256), or uses a GGUF feature "
+            f"newer than gguf {getattr(gguf, '__version__', '')} knows (pip install -U gguf)"
+        ) from exc
+
+
+def _field_value(field_) -> Any:
+    value = field_.contents()
+    if isinstance(value, float):
+        # GGUF stores floats as float32; keep the shortest float32 decimal (1e-05, not 9.9999997e-06)
+        return float(str(np.float32(value)))
+    return value
+
+
+def _check_tensor_types(path: pathlib.Path, reader) -> None:
+    """Fail before any work if gguf.quants cannot dequantize one of the file's tensor types."""
+    import gguf
+
+    for qtype in sorted({t.tensor_type for t in reader.tensors}):
+        _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        try:  # one all-zero block is enough to learn whether a dequantizer exists
+            gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+        except NotImplementedError:
+            names = [t.name for t in reader.tensors if t.tensor_type == qtype]
+            raise GGUFError(
+                f"{path.name}: tensor {names[0]} ({len(names)} tensor(s)) has type {qtype.name}, "
+                "which gguf.quants cannot dequantize; use a GGUF quantized as F32/F16/BF16/Q4_K/Q8_0 "
+                "or similar, or upgrade the gguf package"
+            ) from None
+
+
+# --- config -------------------------------------------------------------------------------------
+def _build_config(path, spec: ArchSpec, arch: str, meta: dict, reader, n_tokens: int) -> dict:
+    """HF config.json fields from the `{arch}.*` metadata, following spec.config_keys."""
+    cfg: dict[str, Any] = {"architectures": [spec.hf_class], "model_type": spec.model_type}
+    for hf_name, (key, default) in spec.config_keys.items():
+        value = meta.get(f"{arch}.{key}", default)
+        if value is _REQUIRED:
+            raise GGUFError(f"{path.name}: metadata key {arch}.{key} is missing (needed for {hf_name})")
+        if isinstance(value, list):
+            raise GGUFError(f"{path.name}: {arch}.{key} varies per layer ({value[:4]}...); not supported")
+        cfg[hf_name] = value
+    if cfg.get("num_key_value_heads") is None:
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    if cfg.get("head_dim") is None:
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if cfg.get("vocab_size") is None:
+        cfg["vocab_size"] = n_tokens
+    rope_dims = meta.get(f"{arch}.rope.dimension_count", cfg["head_dim"])
+    if rope_dims != cfg["head_dim"]:
+        raise GGUFError(f"{path.name}: RoPE on {rope_dims} of {cfg['head_dim']} head dims is not supported")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise GGUFError(f"{path.name}: RoPE scaling {scaling!r} is not supported yet; use a model without it")
+    cfg.update(spec.fixed_config)
+    cfg["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    cfg["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
+    cfg["eos_token_id"] = meta.get("tokenizer.ggml.eos_token_id")
+    cfg["torch_dtype"] = "float32"
+    return cfg
+
+
+# --- tensors ------------------------------------------------------------------------------------
+def _plan_tensors(path, spec: ArchSpec, reader, config: dict) -> list[tuple[Any, str, str | None]]:
+    """(GGUF tensor, HF name, block-local GGUF name or None) for each tensor, checked before writing.
+
+    GGUFError names the first tensor the tables do not know, or the first expected one missing.
+    """
+    plan = []
+    for t in reader.tensors:
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+        if t.name in spec.global_tensors:
+            plan.append((t, spec.global_tensors[t.name], None))
+        elif m and m.group(2) in spec.block_tensors:
+            plan.append((t, f"model.layers.{m.group(1)}.{spec.block_tensors[m.group(2)]}", m.group(2)))
+        else:
+            raise GGUFError(
+                f"{path.name}: tensor {t.name!r} has no Hugging Face name for {spec.model_type}; this "
+                "variant is not supported yet (add the name to its ArchSpec tensor tables)"
+            )
+    expected = {hf for g, hf in spec.global_tensors.items() if g != "output.weight"}  # lm_head may be tied
+    layers, per_block = range(config["num_hidden_layers"]), spec.block_tensors.values()
+    expected |= {f"model.layers.{i}.{hf}" for i in layers for hf in per_block}
+    if missing := sorted(expected - {hf for _, hf, _ in plan}):
+        raise GGUFError(f"{path.name}: {len(missing)} tensor(s) missing, e.g. {missing[0]}; file incomplete")
+    return plan
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: `[n_heads * head_dim, d_model]` in and out.
+
+    HF's RoPE rotates the pairs (j, j + head_dim/2) of a head (`rotate_half`); llama.cpp's rotates
+    adjacent pairs (2j, 2j + 1). So its converter moved, within each head h, the HF row
+    `h*head_dim + half*head_dim/2 + j` to the GGUF row `h*head_dim + 2*j + half` (half in {0, 1}):
+    HF rows viewed as `[n_heads, 2, head_dim/2]`, axes 1 and 2 swapped. We view the GGUF rows as
+    `[n_heads, head_dim/2, 2]` and swap them back.
+    """
+    rows = w.shape[0]
+    w = w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])  # [n_heads, head_dim/2, 2, d_model]
+    return np.ascontiguousarray(w.swapaxes(1, 2).reshape(rows, *w.shape[3:]))  # [n_heads*head_dim, d_model]
+
+
+def _convert_tensors(path, spec: ArchSpec, plan, config: dict, progress: bool) -> dict[str, np.ndarray]:
+    """Dequantize every planned tensor to float32 under its HF name, in HF's `[out, in]` layout."""
+    import gguf
+    from rich.progress import track
+
+    out: dict[str, np.ndarray] = {}
+    for t, hf_name, local in track(plan, f"dequantizing {path.name}", transient=True, disable=not progress):
+        # GGUF lists dims fastest-varying first ([in, out]); NumPy/HF order is the reverse.
+        shape = tuple(int(d) for d in reversed(t.shape))
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = np.array(w, dtype=np.float32).reshape(shape)  # copy: F32 comes back as a view of the file
+        if local in spec.rope_permuted:
+            w = _unpermute_rope_rows(w, config[spec.rope_permuted[local]])
+        out[hf_name] = w
+    return out
+
+
+# --- tokenizer ----------------------------------------------------------------------------------
+def _build_tokenizer(path, meta: dict):
+    """A `tokenizers.Tokenizer` from the GGUF vocabulary; returns (tokenizer, pre-tokenizer name)."""
+    import gguf
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(
+            f"{path.name}: tokenizer.ggml.model {kind!r} is not supported yet (only byte-level BPE, "
+            "'gpt2'); pick a GGUF with a byte-level BPE tokenizer"
+        )
+    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+    types = list(meta.get("tokenizer.ggml.token_type") or [gguf.TokenType.NORMAL] * len(tokens))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        dup = next(t for t, n in Counter(tokens).items() if n > 1)
+        raise GGUFError(f"{path.name}: token {dup!r} appears twice in the vocabulary; cannot build BPE")
+    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges") or []]
+    if any(len(m) != 2 for m in merges):
+        raise GGUFError(f"{path.name}: a merge is not 'left right': {next(m for m in merges if len(m) != 2)}")
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        warnings.warn(
+            f"{path.name}: unknown tokenizer.ggml.pre {pre!r}; using GPT-2's split, which may tokenize "
+            "some text differently from the original model (add it to gguf_import.PRE_TOKENIZERS)",
+            stacklevel=3,
+        )
+    used = pre if pre in PRE_TOKENIZERS else f"default (unknown {pre!r})"
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = PRE_TOKENIZERS.get(pre, PRE_TOKENIZERS["default"])()
+    tok.decoder = decoders.ByteLevel()
+    # Offsets only: this post-processor adds no tokens (the GGUF says add_bos_token false).
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    # Control tokens (<|im_start|>) are matched whole and dropped by skip_special_tokens;
+    # user-defined tokens are matched whole but kept when decoding.
+    control = [t for t, k in zip(tokens, types) if k == gguf.TokenType.CONTROL]
+    user = [t for t, k in zip(tokens, types) if k == gguf.TokenType.USER_DEFINED]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+    return tok, used
+
+
+def _tokenizer_config(meta: dict, tokens: list[str], config: dict) -> dict:
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        i = i[0] if isinstance(i, list) and i else i
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "model_max_length": config["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+
+
+# --- small helpers ------------------------------------------------------------------------------
+def _write_json(path: pathlib.Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,204 @@
+"""Logits -> one token id.
+
+The model's last position gives one score (logit) per vocabulary entry, ``float32 [vocab]``.
+Sampling turns those scores into a choice in small steps, each a pure function you can call
+on its own in a notebook. ``process_logits`` applies them in transformers' order
+(``generation/utils.py: _get_logits_processor``; the maths is ``generation/logits_process.py``):
+
+    1. repetition penalty   make ids already seen less likely        RepetitionPenaltyLogitsProcessor
+    2. temperature          divide: < 1 sharpens, > 1 flattens       TemperatureLogitsWarper
+    3. top-k                keep the k highest                       TopKLogitsWarper
+    4. top-p (nucleus)      keep the fewest reaching probability p   TopPLogitsWarper
+    5. min-p                drop those < min_p * the best's prob     MinPLogitsWarper
+
+Removed entries become ``-inf``, so softmax gives them probability exactly 0. Then ``sample``
+draws one id from softmax of what is left -- or, at temperature 0, takes the argmax (greedy).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from minillm.errors import InvalidRequestError, SamplingParamsError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to choose the next token. Defaults mean "sample from the model's own distribution".
+
+    temperature         >= 0; 0 means greedy (argmax), 1 leaves logits unchanged
+    top_k               >= 0; 0 disables
+    top_p               in (0, 1]; 1 disables
+    min_p               in [0, 1]; 0 disables
+    repetition_penalty  > 0; 1 disables, > 1 discourages repeats (CTRL paper, as transformers)
+    seed                int >= 0 or None; used only when ``sample`` gets no rng
+
+    Raises SamplingParamsError naming the value and its allowed range.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(value):
+                raise SamplingParamsError(f"{name} must be a finite number, got {value!r}")
+            return float(value)
+
+        if number("temperature") < 0:
+            raise SamplingParamsError(
+                f"temperature must be >= 0, got {self.temperature}; use 0 for greedy, 1 for the model's own distribution")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise SamplingParamsError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if not 0.0 < number("top_p") <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1] (1 disables), got {self.top_p}")
+        if not 0.0 <= number("min_p") <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1] (0 disables), got {self.min_p}")
+        if number("repetition_penalty") <= 0:
+            raise SamplingParamsError(
+                f"repetition_penalty must be > 0 (1 disables, > 1 discourages repeats), got {self.repetition_penalty}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
+                                      or self.seed < 0):
+            raise SamplingParamsError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _as_logits(logits) -> np.ndarray:
+    """A float32 ``[vocab]`` copy (processors never modify their input)."""
+    out = np.array(logits, dtype=np.float32)  # copy
+    if out.ndim != 1 or out.size == 0:
+        raise InvalidRequestError(f"logits must have shape [vocab], got {out.shape}; pass the last position's row")
+    return out
+
+
+def softmax(logits) -> np.ndarray:
+    """Probabilities, ``float32 [vocab]``. Subtracts the max first so exp never overflows;
+    ``-inf`` entries get probability 0."""
+    x = np.asarray(logits, dtype=np.float32)
+    e = np.exp(x - np.max(x))
+    return e / e.sum()
+
+
+def apply_repetition_penalty(logits, seen_ids: Iterable[int], penalty: float) -> np.ndarray:
+    """Penalise every id in ``seen_ids`` once (duplicates count once; prompt ids count too).
+
+    A positive logit is divided by ``penalty``, a negative one multiplied, so both move toward
+    "less likely" (dividing a negative would make it *more* likely).
+    Example: logits [2, -2, 0.5], seen {0, 1}, penalty 2 -> [1, -4, 0.5].
+    """
+    out = _as_logits(logits)
+    if penalty == 1.0:
+        return out
+    ids = np.unique(np.asarray(list(seen_ids), dtype=np.int64))  # sorted, each id once
+    if ids.size == 0:
+        return out
+    if ids[0] < 0 or ids[-1] >= out.size:
+        bad = ids[0] if ids[0] < 0 else ids[-1]
+        raise InvalidRequestError(f"seen id {bad} is outside the vocabulary [0, {out.size})")
+    picked = out[ids]
+    out[ids] = np.where(picked < 0, picked * np.float32(penalty), picked / np.float32(penalty))
+    return out
+
+
+def apply_temperature(logits, temperature: float) -> np.ndarray:
+    """Divide logits by ``temperature`` (> 0). Temperature 0 is greedy: handle it before this."""
+    if not temperature > 0:
+        raise SamplingParamsError(f"apply_temperature needs temperature > 0, got {temperature}; use argmax for 0")
+    out = _as_logits(logits)
+    return out if temperature == 1.0 else out / np.float32(temperature)
+
+
+def apply_top_k(logits, k: int) -> np.ndarray:
+    """Keep the ``k`` highest logits (ties with the k-th are kept, as transformers); 0 disables."""
+    out = _as_logits(logits)
+    if k <= 0 or k >= out.size:
+        return out
+    kth = np.partition(out, out.size - k)[out.size - k]  # the k-th largest value, O(vocab)
+    out[out < kth] = -np.inf
+    return out
+
+
+def apply_top_p(logits, p: float) -> np.ndarray:
+    """Nucleus: keep the smallest set of highest-probability ids whose probability reaches ``p``.
+
+    Walk ids from most to least likely; an id is kept if the ones before it sum to < p.
+    The most likely id is always kept. ``p = 1`` disables.
+    """
+    out = _as_logits(logits)
+    if p >= 1.0:
+        return out
+    order = np.argsort(-out, kind="stable")  # most likely first
+    probs = softmax(out)[order]
+    mass_before = np.cumsum(probs) - probs  # [vocab] probability of the ids ranked above
+    out[order[mass_before >= np.float32(p)]] = -np.inf
+    return out
+
+
+def apply_min_p(logits, min_p: float) -> np.ndarray:
+    """Drop ids whose probability is below ``min_p`` times the top id's probability; 0 disables."""
+    out = _as_logits(logits)
+    if min_p <= 0.0:
+        return out
+    probs = softmax(out)
+    out[probs < np.float32(min_p) * probs.max()] = -np.inf
+    return out
+
+
+def process_logits(logits, params: SamplingParams, seen_ids: Iterable[int] = ()) -> np.ndarray:
+    """All processors in transformers' order -> ``float32 [vocab]`` with removed ids at -inf.
+
+    At temperature 0 the temperature step is skipped (greedy takes the argmax of these logits,
+    which no filter ever removes).
+    """
+    out = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    if not params.greedy:
+        out = apply_temperature(out, params.temperature)
+    out = apply_top_k(out, params.top_k)
+    out = apply_top_p(out, params.top_p)
+    return apply_min_p(out, params.min_p)
+
+
+def sample(logits, params: SamplingParams, rng: np.random.Generator | None = None,
+           seen_ids: Iterable[int] = ()) -> int:
+    """Choose the next token id from ``float32 [vocab]`` logits.
+
+    Temperature 0: argmax after the repetition penalty (no division by zero, no randomness).
+    Otherwise: one draw from ``softmax(process_logits(...))`` using only ``rng``. Pass the same
+    rng for a whole request; with ``rng=None`` a fresh ``np.random.default_rng(params.seed)`` is
+    made on each call, so repeated calls replay the same random number.
+    """
+    if params.greedy:
+        return int(np.argmax(apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)))
+    if rng is None:
+        rng = np.random.default_rng(params.seed)
+    probs = softmax(process_logits(logits, params, seen_ids)).astype(np.float64)
+    # Inverse-CDF draw: the first id whose cumulative probability passes u. Ids at probability 0
+    # add nothing to the running sum, so they can never be the one that passes it.
+    cdf = np.cumsum(probs)
+    u = rng.random() * cdf[-1]
+    return int(min(np.searchsorted(cdf, u, side="right"), np.flatnonzero(probs)[-1]))
+
+
+def candidates(logits, params: SamplingParams, seen_ids: Iterable[int] = (), k: int = 5) -> list[tuple[int, float]]:
+    """The ``k`` most likely ids that survive processing, with their probabilities (for traces).
+
+    Probabilities are those ``sample`` draws from; at temperature 0 they are the filtered
+    distribution at temperature 1 (greedy picks the first).
+    """
+    probs = softmax(process_logits(logits, params, seen_ids))
+    kept = np.flatnonzero(probs > 0)
+    top = kept[np.argsort(-probs[kept], kind="stable")[:k]]
+    return [(int(i), float(probs[i])) for i in top]

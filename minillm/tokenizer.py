@@ -1,0 +1,363 @@
+"""Text <-> token ids, and chat messages -> text.
+
+A model never sees text. It sees integer ids, and the folder that holds the weights also holds
+the recipe for turning text into ids:
+
+    tokenizer.json          the vocabulary, merges, pre-tokenizer and decoder (Hugging Face
+                            ``tokenizers`` format; we run it with the ``tokenizers`` library)
+    tokenizer_config.json   the special tokens by name (bos, eos, ...) and, usually, the chat
+                            template (some folders keep it in ``chat_template.jinja`` instead)
+    generation_config.json  more end-of-sequence ids (an instruct model often stops on several)
+    config.json             the model's own ``eos_token_id``
+
+A chat template is a small Jinja program shipped with the model that turns a list of
+``{"role": ..., "content": ...}`` messages into the exact text the model was trained on::
+
+    <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n
+
+Templates come from the internet, so they render in Jinja's immutable sandbox, as in
+transformers (``utils/chat_template_utils.py``), with the same variables and helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import numpy as np
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from minillm.errors import ChatTemplateError, TokenizerError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+# How piece_for_display makes invisible characters visible.
+_VISIBLE = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"})
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte-fallback token
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE writes every byte as a char).
+
+    Printable bytes map to themselves; the rest (space, newline, control bytes, ...) are shifted
+    to 256+, which is why a space shows up as 'Ġ' (256 + 32) and a newline as 'Ċ' (256 + 10).
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL_DECODER = {ch: b for b, ch in _bytes_to_unicode().items()}
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config stores a special token as "text" or as {"content": "text", ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"{path} is not valid JSON ({exc}); re-download or re-convert the model folder") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _id_list(value: Any) -> list[int]:
+    """eos_token_id in config files is an int, a list of ints, or missing."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _uses(node: Any, kind: str) -> bool:
+    """True if a tokenizer.json component (possibly a Sequence of them) has type ``kind``."""
+    if isinstance(node, dict):
+        return node.get("type") == kind or any(_uses(v, kind) for v in node.values())
+    if isinstance(node, list):
+        return any(_uses(v, kind) for v in node)
+    return False
+
+
+# --- the chat-template sandbox ----------------------------------------------------------------
+def _raise_exception(message: str):
+    # A template calls this to refuse a conversation ("Conversation roles must alternate ...").
+    raise ChatTemplateError(f"the chat template refused the messages: {message}")
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Like transformers: Jinja's own tojson HTML-escapes '<' and '>', which would corrupt prompts.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """``namespace()`` for templates, refusing underscore names (a way to reach internals)."""
+
+    def __init__(*args, **kwargs):  # same signature trick as jinja2's Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} starts with an underscore")
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # trim_blocks / lstrip_blocks: the whitespace rules every HF chat template is written for.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(
+            f"the chat template has a syntax error on line {exc.lineno}: {exc.message}; "
+            "fix chat_template in tokenizer_config.json (or chat_template.jinja)"
+        ) from exc
+
+
+def _validate_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, (list, tuple)):
+        raise ChatTemplateError(
+            f"messages must be a list of dicts, got {type(messages).__name__}; "
+            'pass e.g. [{"role": "user", "content": "Hi"}]'
+        )
+    if not messages:
+        raise ChatTemplateError('messages is empty; pass at least one, e.g. [{"role": "user", "content": "Hi"}]')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ChatTemplateError(
+                f"message {i} is a {type(m).__name__}, not a dict; write it as "
+                '{"role": "user", "content": "..."}'
+            )
+        if m.get("role") not in ROLES:
+            raise ChatTemplateError(
+                f"message {i} has role {m.get('role')!r}; use one of {', '.join(ROLES)}"
+            )
+        if not isinstance(m.get("content"), str):
+            raise ChatTemplateError(
+                f"message {i} ({m['role']}) has content of type {type(m.get('content')).__name__}; "
+                "content must be a string"
+            )
+    # Plain copies: the template never sees (or could touch) the caller's objects.
+    return [dict(m) for m in messages]
+
+
+class Tokenizer:
+    """tokenizers.Tokenizer + chat template (sandboxed jinja2) + special tokens.
+
+    Build one with :meth:`from_folder`. Ids are ``np.ndarray`` of ``int64``, shape ``[seq]``.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        special_tokens: dict[str, str | None] | None = None,
+        extra_eos_ids: tuple[int, ...] = (),
+        chat_template: str | None = None,
+        source: str = "<memory>",
+    ):
+        self.backend = backend
+        self.source = source
+        self.chat_template = chat_template
+        self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.bos_token_id = backend.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token = self.special_tokens.get("eos_token")
+        eos = set(extra_eos_ids)
+        if self.eos_token and backend.token_to_id(self.eos_token) is not None:
+            eos.add(backend.token_to_id(self.eos_token))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+        self._added = backend.get_added_tokens_decoder()  # {id: AddedToken}
+        special = {i for i, tok in self._added.items() if tok.special}
+        for content in self.special_tokens.values():
+            if (i := backend.token_to_id(content)) is not None:
+                special.add(i)
+        self.special_token_ids: frozenset[int] = frozenset(special)
+
+        spec = json.loads(backend.to_str())
+        self._byte_level = _uses(spec.get("decoder"), "ByteLevel") or _uses(spec.get("pre_tokenizer"), "ByteLevel")
+
+    # --- loading --------------------------------------------------------------------------------
+    @classmethod
+    def from_folder(cls, path: str | Path) -> "Tokenizer":
+        """Read a Hugging Face-style model folder.
+
+        Uses tokenizer.json (required), tokenizer_config.json (special tokens, chat template),
+        chat_template.jinja (transformers 5 writes the template there), and the ``eos_token_id``
+        of generation_config.json and config.json (int or list; all are unioned).
+
+        Raises TokenizerError if the folder or tokenizer.json is missing or unreadable.
+        """
+        folder = Path(path)
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise TokenizerError(
+                f"no tokenizer.json in {folder}; minillm needs the Hugging Face 'fast' tokenizer file. "
+                "Download it with the model, or convert a GGUF with minillm.gguf_import"
+            )
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise TokenizerError(f"cannot read {file}: {exc}; re-download or re-convert the model folder") from exc
+
+        cfg = _read_json(folder / "tokenizer_config.json")
+        names = ("bos_token", "eos_token", "unk_token", "pad_token")
+        special = {name: _token_content(cfg.get(name)) for name in names}
+
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # several named templates: [{"name": "default", "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if not template and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+
+        eos: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            conf = _read_json(folder / name)
+            eos += _id_list(conf.get("eos_token_id"))
+            eos += _id_list(conf.get("text_config", {}).get("eos_token_id"))  # multimodal configs (Gemma 3)
+        return cls(backend, special_tokens=special, extra_eos_ids=tuple(eos),
+                   chat_template=template or None, source=str(folder))
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.source!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
+                f"eos_ids={sorted(self.eos_token_ids)}, chat_template={self.chat_template is not None})")
+
+    # --- text <-> ids ---------------------------------------------------------------------------
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
+        """Text -> ids, ``int64 [seq]``.
+
+        ``add_special_tokens`` runs the tokenizer's post-processor (which may prepend BOS, e.g.
+        Llama 3, Gemma); rendered chat text already contains its specials, so pass False there
+        (or use :meth:`encode_chat`). Special-token text such as ``<|im_end|>`` inside ``text``
+        becomes the special id, as in transformers.
+        """
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode() takes a string, got {type(text).__name__}; for chat messages use encode_chat()")
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return np.asarray(ids, dtype=np.int64)  # [seq]
+
+    def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
+        """Ids (any int sequence or array) -> text. Special tokens dropped unless asked for.
+
+        Bytes that do not complete a UTF-8 character decode to U+FFFD ('�'), as in transformers.
+        Raises TokenizerError for a negative id.
+        """
+        ids = [int(i) for i in np.asarray(ids, dtype=np.int64).reshape(-1)]
+        if any(i < 0 for i in ids):
+            raise TokenizerError(f"token ids must be >= 0, got {min(ids)}")
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.special_token_ids]
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+    def id_to_piece(self, token_id: int) -> str:
+        """The raw vocabulary entry, e.g. 'Ġcapital' (byte-level BPE) or '▁capital' (SentencePiece)."""
+        piece = self.backend.id_to_token(int(token_id)) if int(token_id) >= 0 else None
+        if piece is None:
+            raise TokenizerError(f"token id {token_id} is not in the vocabulary (size {self.vocab_size})")
+        return piece
+
+    def piece_for_display(self, token_id: int) -> str:
+        """A piece as a person reads it: 'Ġcapital' -> '␣capital', 'Ċ' -> '↵', specials as-is.
+
+        The piece is turned back into its bytes (byte-level table, '▁' -> space, '<0xE5>' -> byte);
+        bytes that are only part of a UTF-8 character are shown escaped, e.g. '\\xe5'.
+        """
+        piece = self.id_to_piece(token_id)
+        token_id = int(token_id)
+        if token_id in self.special_token_ids:
+            return piece
+        if token_id in self._added:  # added tokens hold plain text (Gemma's space runs: '▁▁▁')
+            return piece.replace("▁", " ").translate(_VISIBLE)
+        if m := _BYTE_PIECE.match(piece):
+            raw = bytes([int(m.group(1), 16)])
+        elif self._byte_level and all(ch in _BYTE_LEVEL_DECODER for ch in piece):
+            raw = bytes(_BYTE_LEVEL_DECODER[ch] for ch in piece)
+        else:
+            raw = piece.replace("▁", " ").encode("utf-8")
+        return raw.decode("utf-8", errors="backslashreplace").translate(_VISIBLE)
+
+    # --- chat -----------------------------------------------------------------------------------
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        return _compile_template(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's chat template (sandboxed), like transformers'
+        ``apply_chat_template(messages, tokenize=False)``.
+
+        ``messages``: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]``.
+        ``add_generation_prompt`` appends the header that opens the assistant's turn.
+        Raises ChatTemplateError: no template, malformed message, template error or refusal
+        (``raise_exception``), or a template that tries to reach Python internals.
+        """
+        if not self.chat_template:
+            raise ChatTemplateError(
+                f"the model in {self.source} has no chat template (it is probably a base model); "
+                "use completion mode: pass plain text instead of messages"
+            )
+        messages = _validate_messages(messages)
+        variables = {**self.special_tokens, "tools": None, "documents": None}
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        except ChatTemplateError:
+            raise
+        except jinja2.exceptions.SecurityError as exc:
+            raise ChatTemplateError(
+                f"the chat template tried something the sandbox forbids ({exc}); "
+                "the template is unsafe or broken: replace chat_template in tokenizer_config.json"
+            ) from exc
+        except Exception as exc:  # UndefinedError, TypeError in template expressions, ...
+            raise ChatTemplateError(
+                f"the chat template failed to render: {type(exc).__name__}: {exc}; "
+                "check the messages against what this model's template expects"
+            ) from exc
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> np.ndarray:
+        """Render then encode with ``add_special_tokens=False``, ``int64 [seq]``.
+
+        The rendered text already holds the BOS / turn markers; letting the post-processor add
+        another BOS would give the model a sequence it never saw in training.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)

