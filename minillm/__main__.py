@@ -1,0 +1,7 @@
+"""`python -m minillm ...` is the same as the `minillm` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
