@@ -6,12 +6,18 @@
 
 Errors minillm raises on purpose (``MiniLLMError``) print as one clear message, no traceback
 (``--debug`` shows it), and exit with status 2.
+
+Ctrl-C during a request cancels it cleanly: the step in progress finishes, the partial text and
+the trace (stop reason "cancelled") are printed, and the exit status is 130 (the shell's code for
+"interrupted by the user"). A second Ctrl-C interrupts at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from rich.console import Console
 from rich.table import Table
@@ -30,11 +36,34 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x top probability")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same tokens)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when TEXT appears in the output, which is cut before it (repeatable; "
+                        "in bash, $'\\n' is a newline)")
+    p.add_argument("--stop-token-ids", action="append", default=None, type=_id_list, metavar="IDS",
+                   help="stop when these comma-separated ids appear in a row, e.g. 2 or 28,29 (repeatable)")
+    p.add_argument("--include-stop-string", action="store_true",
+                   help="keep the matched stop string (or stop sequence's text) in the output")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="wall-clock deadline for the request; it stops with reason 'timed out'")
+    p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                   help="KV-cache size in positions (default prompt + max new tokens, at most the context); "
+                        "prompt + new tokens never exceed it (reason 'context full')")
     p.add_argument("--verbosity", "-v", choices=("quiet", "summary", "steps", "full"), default="steps",
                    help="how much of the trace to print (default steps)")
     p.add_argument("--trace-json", metavar="PATH", default=None,
                    help="also write the trace events as JSON lines to PATH")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _id_list(text: str) -> list[int]:
+    """'28,29' -> [28, 29] (argparse type for --stop-token-ids)."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids such as 28,29, got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {text!r}")
+    return ids
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +102,7 @@ def _cmd_models(console: Console) -> int:
 def _cmd_request(args: argparse.Namespace, console: Console) -> int:
     from . import lifecycle
     from .sampling import SamplingParams
+    from .stopping import StopReason
     from .trace import Tracer
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -84,13 +114,38 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
         prompt: str | list = messages + [{"role": "user", "content": args.prompt}]
     else:
         prompt = args.prompt
-    result = lifecycle.generate(model, prompt, params, max_new_tokens=args.max_new_tokens,
-                                chat=args.command == "chat", tracer=tracer)
+    # Ctrl-C sets the cancel event; the request checks it between steps and ends cleanly.
+    cancel = threading.Event()
+
+    def on_sigint(signum, frame):
+        cancel.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C interrupts at once
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if in_main else None
+    results: list = []
+    try:
+        for delta in lifecycle.stream(model, prompt, params, max_new_tokens=args.max_new_tokens,
+                                      chat=args.command == "chat", tracer=tracer, stop=args.stop,
+                                      stop_token_ids=args.stop_token_ids,
+                                      include_stop_string=args.include_stop_string, timeout_s=args.timeout,
+                                      max_seq_len=args.max_seq_len, cancel=cancel, result=results):
+            if args.verbosity == "quiet":  # only the text, as it arrives
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+    finally:
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
+    result = results[0]
     if args.verbosity == "quiet":
-        console.print(result.text, markup=False, highlight=False)
+        sys.stdout.write("\n")
     if args.trace_json:
         with open(args.trace_json, "w", encoding="utf-8") as f:
             f.write(tracer.to_jsonl())
+    if result.stop_reason is StopReason.CANCELLED:
+        Console(stderr=True).print(f"[yellow]cancelled[/] by Ctrl-C after {len(result.ids)} new tokens; "
+                                   "the partial output is above")
+        return 130
     return 0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +28,8 @@ from .kv_cache import KVCache
 from .metrics import RequestMetrics
 from .model import Transformer
 from .sampling import SamplingParams
-from .stopping import StopCriteria, StopReason
+from .stopping import (OutputStream, StopCriteria, StopReason, cancel_check, describe_stop, validate_stop_strings,
+                       validate_stop_token_ids)
 from .tokenizer import Tokenizer
 from .trace import Tracer
 from .weights import load_weights
@@ -204,69 +205,112 @@ def _candidate_pieces(model: Model, logits: np.ndarray, params: SamplingParams, 
 class GenerationResult:
     """What ``generate`` returns: the new text and ids, why it stopped, and the measurements."""
 
-    text: str
-    ids: list[int]  # new token ids (the stopping EOS included, if any)
+    text: str  # what the user sees: no EOS text, no stop string (unless asked), no half characters
+    ids: list[int]  # every new token id, the stopping EOS / stop sequence included
     prompt_ids: list[int]
     stop_reason: StopReason
     metrics: RequestMetrics
+    stop_condition: object = None  # which condition fired: the stop string, the id sequence, ...
+
+
+def _check_window(model: Model, n_prompt: int, window: int, by_cache: bool) -> None:
+    """The prompt must leave room for at least one new token (prompt + new <= window)."""
+    if n_prompt < window:
+        return
+    fix = "shorten the prompt" if not by_cache else \
+        f"shorten the prompt or pass a larger max_seq_len (the model holds {model.config.max_position_embeddings:,})"
+    raise ContextWindowExceeded(
+        f"prompt is {n_prompt:,} tokens but the {'KV cache' if by_cache else 'model'} holds "
+        f"{window:,} positions, which leaves no room for a new token; {fix} to at most {window - 1:,} tokens.")
 
 
 def stream(model: Model, prompt: Prompt, params: SamplingParams | None = None, *,
            max_new_tokens: int = 64, chat: bool | None = None, tracer: Tracer | None = None,
            rng: np.random.Generator | None = None, max_seq_len: int | None = None,
-           cache: KVCache | None = None, timeout_s: float | None = None,
-           cancel: Callable[[], bool] | None = None, result: list | None = None) -> Iterator[str]:
+           cache: KVCache | None = None, stop: list[str] | str | None = None,
+           stop_token_ids: list[list[int]] | None = None, include_stop_string: bool = False,
+           timeout_s: float | None = None, cancel=None, result: list | None = None) -> Iterator[str]:
     """Run one request and yield its text as it is produced (UTF-8 safe deltas).
 
     The phases in order: tokenize, prefill (first-token logits), then sample / detokenize /
     stop-check / decode_step until a stop condition fires, then free the request state.
 
     Args:
-        params: sampling parameters; default greedy.
+        params: sampling parameters; default greedy. The repetition penalty counts the prompt's
+            ids as seen, as transformers does.
         max_new_tokens: budget of new tokens (>= 1).
         chat: apply the chat template to a ``str`` prompt (a message list always is).
-        max_seq_len: KV-cache size; default prompt + max_new_tokens, at most the model's context.
-        cache: reuse a cache (it is reset first); default a fresh one, freed at the end.
-        timeout_s: wall-clock deadline in seconds from the request start.
-        cancel: called between steps; returning True cancels the request.
+        max_seq_len: KV-cache size in positions; default prompt + max_new_tokens, at most the
+            model's context. Prompt + new tokens never exceed it: at the edge the request stops
+            with ``CONTEXT_FULL`` (no exception).
+        cache: reuse a cache (reset before and after the request); default a fresh one, freed
+            at the end.
+        stop: stop strings, found in the text across token boundaries; the text is cut before
+            the earliest match (held back while streaming, so it never leaks). They are matched
+            in the shown text, where special tokens are hidden: stop on those with stop_token_ids.
+        stop_token_ids: stop-token sequences, e.g. ``[[2], [28, 29]]``, found in the new ids.
+        include_stop_string: keep the matched stop string (or sequence's text) in the output.
+        timeout_s: wall-clock deadline in seconds from the request start (> 0).
+        cancel: a ``threading.Event`` or a callable returning True; checked between steps.
+            A ``KeyboardInterrupt`` (Ctrl-C) during the model's work cancels the same way.
         result: if a list, the :class:`GenerationResult` is appended to it at the end.
 
     Raises:
-        InvalidRequestError: empty prompt, ``max_new_tokens <= 0``.
-        ContextWindowExceeded: the prompt alone does not fit in the context.
+        InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
+            sequence, ``timeout_s <= 0``, a ``cancel`` that is neither Event nor callable.
+        ContextWindowExceeded: the prompt leaves no room for a new token (before prefill).
     """
     if max_new_tokens <= 0:
         raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
+        raise InvalidRequestError(f"timeout_s must be a number of seconds > 0 (or None), got {timeout_s!r}.")
+    stop_strings, stop_seqs = validate_stop_strings(stop), validate_stop_token_ids(stop_token_ids)
+    cancelled = cancel_check(cancel)
     params = params or SamplingParams(temperature=0.0)
     rng = rng if rng is not None else np.random.default_rng(params.seed)
     request_t0 = time.perf_counter()
     metrics = RequestMetrics()
+    is_chat = isinstance(prompt, list) if chat is None else chat
     ids = tokenize(model, prompt, chat=chat, tracer=tracer)
     metrics.tokenize_s = time.perf_counter() - request_t0
     metrics.prompt_tokens = len(ids)
     context = model.config.max_position_embeddings
-    if len(ids) > context:
-        raise ContextWindowExceeded(
-            f"prompt is {len(ids):,} tokens but the model holds {context:,}; shorten the prompt.")
+    if cache is not None:
+        _check_window(model, len(ids), cache.max_seq_len, by_cache=True)
+    elif max_seq_len is not None and max_seq_len < context:
+        _check_window(model, len(ids), max_seq_len, by_cache=True)
+    else:
+        _check_window(model, len(ids), context, by_cache=False)
 
     own_cache = cache is None
     if own_cache:
         cache = KVCache.for_model(model.config, max_seq_len or min(context, len(ids) + max_new_tokens))
     else:
         cache.reset()
-    stop = StopCriteria(eos_token_ids=model.tokenizer.eos_token_ids, max_new_tokens=max_new_tokens,
-                        deadline=None if timeout_s is None else request_t0 + timeout_s, cancel=cancel)
-    detok = IncrementalDetokenizer(model.tokenizer)
+    criteria = StopCriteria(eos_token_ids=model.tokenizer.eos_token_ids, max_new_tokens=max_new_tokens,
+                            deadline=None if timeout_s is None else request_t0 + timeout_s, cancel=cancelled)
+    # A completion continues the prompt's text: decode with its last tokens as context, so a
+    # first token like '▁Paris' keeps its space. A chat answer is a fresh text: no context.
+    detok = IncrementalDetokenizer(model.tokenizer, prompt_ids=None if is_chat else ids)
+    out = OutputStream(detok, stop=stop_strings, stop_token_ids=stop_seqs, include_stop_string=include_stop_string)
     new_ids: list[int] = []
-    seen = list(ids)
-    reason = None
+    seen = list(ids)  # the repetition penalty's "seen" set: prompt + new ids
+    reason, condition = None, None
+    logits, token = None, None
     try:
-        t0 = time.perf_counter()
-        logits = prefill(model, ids, cache, tracer=tracer, params=params)
-        metrics.prefill_s = time.perf_counter() - t0
-        step_t0 = t0
-        while True:
-            token = sample(logits, params, rng, seen_ids=seen)
+        reason = criteria.interrupted()  # cancelled or already past the deadline: no work at all
+        while reason is None:
+            step_t0 = time.perf_counter()
+            try:  # Ctrl-C during the model's work ends the request cleanly, as a cancel
+                if logits is None:
+                    logits = prefill(model, ids, cache, tracer=tracer, params=params)
+                    metrics.prefill_s = time.perf_counter() - step_t0
+                else:
+                    logits = decode_step(model, token, cache)
+                token = sample(logits, params, rng, seen_ids=seen)
+            except KeyboardInterrupt:
+                reason, condition = StopReason.CANCELLED, "KeyboardInterrupt (Ctrl-C)"
+                break
             now = time.perf_counter()
             if not new_ids:
                 metrics.ttft_s = now - request_t0
@@ -274,45 +318,58 @@ def stream(model: Model, prompt: Prompt, params: SamplingParams | None = None, *
                 metrics.decode_step_s.append(now - step_t0)
             new_ids.append(token)
             seen.append(token)
-            # room left once this token is part of the sequence (it is fed at cache.length)
-            reason = stop.check(token, len(new_ids), cache.free_positions - 1)
+            # room left once this token is part of the sequence (it would be fed at cache.length)
+            reason = criteria.check(token, len(new_ids), cache.free_positions - 1)
+            delta = ""
+            if reason is not StopReason.EOS:  # an EOS id ends the text; it is never shown
+                delta = out.add(token)
+                reason = out.stop_reason or reason
             if tracer and len(new_ids) > 1:
                 _emit_step(model, tracer, step_t0, now, len(new_ids) - 1, cache.length - 1, token,
                            logits, params, seen[:-1], last=reason is not None)
-            if reason is not StopReason.EOS:
-                delta = detok.add(token)
-                if delta:
-                    yield delta
-            if reason is not None:
-                break
-            step_t0 = time.perf_counter()
-            logits = decode_step(model, token, cache)
-        tail = detok.flush()
+            if delta:
+                yield delta
+            if reason is None:
+                reason = criteria.interrupted()  # between steps: before the next forward pass
+        tail = out.finish()  # held text is released (a stop string found here still cuts it)
+        reason = out.stop_reason or reason
         if tail:
             yield tail
+    except GeneratorExit:  # the caller stopped reading: that is a cancel too
+        if reason is None:
+            reason, condition = StopReason.CANCELLED, "the caller closed the stream"
     finally:
         metrics.total_s = time.perf_counter() - request_t0
         metrics.new_tokens = len(new_ids)
         metrics.kv_bytes_per_token = cache.bytes_per_token
         metrics.kv_bytes_used = cache.used_bytes
         metrics.kv_bytes_reserved = cache.nbytes
+        # The request's state goes away with the request: a cache we made is freed, a cache we
+        # were given is emptied for the next request (its memory stays allocated).
+        window = cache.max_seq_len
         if own_cache:
-            cache.free()  # the request's state goes away with the request
+            cache.free()
+        else:
+            cache.reset()
+    if out.stop_reason is not None:
+        condition = out.condition
+    elif reason is StopReason.CANCELLED and condition is None:
+        condition = "cancel was set"
+    elif reason is StopReason.TIMEOUT:
+        condition = timeout_s
+    elif reason is StopReason.EOS:
+        condition = new_ids[-1]
     if tracer:
-        tracer.emit("stop", tracer.now(), 0.0, reason=reason.value, text=detok.text,
-                    detail=_stop_detail(model, reason, new_ids, max_new_tokens))
+        tracer.emit("stop", tracer.now(), 0.0, reason=reason.value, condition=condition, text=out.text,
+                    detail=describe_stop(
+                        reason, condition, n_new=len(new_ids), max_new_tokens=max_new_tokens, n_prompt=len(ids),
+                        window=window, elapsed_s=metrics.total_s, include=include_stop_string,
+                        eos_ids=sorted(model.tokenizer.eos_token_ids),
+                        eos_text=model.tokenizer.decode([condition], skip_special_tokens=False)
+                        if reason is StopReason.EOS else ""))
         tracer.emit("summary", tracer.now(), metrics.total_s, load_s=model.load_s, **metrics.to_dict())
     if result is not None:
-        result.append(GenerationResult(detok.text, new_ids, ids.tolist(), reason, metrics))
-
-
-def _stop_detail(model: Model, reason: StopReason, new_ids: list[int], max_new_tokens: int) -> str:
-    if reason is StopReason.EOS:
-        piece = model.tokenizer.decode([new_ids[-1]], skip_special_tokens=False)
-        return f"token {new_ids[-1]} {piece!r} is in the EOS set {sorted(model.tokenizer.eos_token_ids)}"
-    if reason is StopReason.MAX_NEW_TOKENS:
-        return f"{len(new_ids)} new tokens = max_new_tokens {max_new_tokens}"
-    return ""
+        result.append(GenerationResult(out.text, new_ids, ids.tolist(), reason, metrics, condition))
 
 
 def _emit_step(model, tracer, step_t0, now, step, position, token, logits, params, seen, last):
@@ -328,7 +385,8 @@ def generate(model: Model, prompt: Prompt, params: SamplingParams | None = None,
     """Run one request to the end; same arguments as :func:`stream`.
 
     Returns:
-        :class:`GenerationResult` with ``text``, new ``ids``, ``stop_reason`` and ``metrics``.
+        :class:`GenerationResult` with ``text``, new ``ids``, ``stop_reason``, ``stop_condition``
+        and ``metrics``.
     """
     result: list[GenerationResult] = []
     for _ in stream(model, prompt, params, result=result, **kwargs):

@@ -32,7 +32,7 @@ class SamplingParams:
 
     temperature         >= 0; 0 means greedy (argmax), 1 leaves logits unchanged
     top_k               >= 0; 0 disables
-    top_p               in (0, 1]; 1 disables
+    top_p               in [0, 1]; 1 disables, 0 keeps only the most likely id
     min_p               in [0, 1]; 0 disables
     repetition_penalty  > 0; 1 disables, > 1 discourages repeats (CTRL paper, as transformers)
     seed                int >= 0 or None; used only when ``sample`` gets no rng
@@ -60,8 +60,8 @@ class SamplingParams:
                 f"temperature must be >= 0, got {self.temperature}; use 0 for greedy, 1 for the model's own distribution")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
             raise SamplingParamsError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        if not 0.0 < number("top_p") <= 1.0:
-            raise SamplingParamsError(f"top_p must be in (0, 1] (1 disables), got {self.top_p}")
+        if not 0.0 <= number("top_p") <= 1.0:
+            raise SamplingParamsError(f"top_p must be in [0, 1] (1 disables), got {self.top_p}")
         if not 0.0 <= number("min_p") <= 1.0:
             raise SamplingParamsError(f"min_p must be in [0, 1] (0 disables), got {self.min_p}")
         if number("repetition_penalty") <= 0:
@@ -135,7 +135,8 @@ def apply_top_p(logits, p: float) -> np.ndarray:
     """Nucleus: keep the smallest set of highest-probability ids whose probability reaches ``p``.
 
     Walk ids from most to least likely; an id is kept if the ones before it sum to < p.
-    The most likely id is always kept. ``p = 1`` disables.
+    The most likely id is always kept (so ``p = 0`` is greedy-like). ``p = 1`` disables.
+    Example: probabilities [0.5, 0.3, 0.15, 0.05], p 0.6 -> ids {0, 1}, renormalised [0.625, 0.375].
     """
     out = _as_logits(logits)
     if p >= 1.0:
@@ -143,7 +144,9 @@ def apply_top_p(logits, p: float) -> np.ndarray:
     order = np.argsort(-out, kind="stable")  # most likely first
     probs = softmax(out)[order]
     mass_before = np.cumsum(probs) - probs  # [vocab] probability of the ids ranked above
-    out[order[mass_before >= np.float32(p)]] = -np.inf
+    drop = mass_before >= np.float32(p)
+    drop[0] = False  # never remove the best id (transformers' min_tokens_to_keep=1)
+    out[order[drop]] = -np.inf
     return out
 
 

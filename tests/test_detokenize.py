@@ -106,6 +106,13 @@ def test_leading_space_is_kept(smol):
     assert [detok.add(i) for i in ids[-2:]] == [" Paris", "."]
 
 
+def test_word_split_over_several_tokens(smol):
+    ids = smol.encode("The antidisestablishmentarianism").tolist()
+    assert len(ids) > 3  # the long word really is several tokens
+    deltas, tail = stream(smol, ids)
+    assert deltas[0] == "The" and deltas[1].startswith(" ") and "".join(deltas) + tail == "The antidisestablishmentarianism"
+
+
 def test_first_token_space_kept_with_prompt_context_on_strip_decoder(bytetok):
     paris = bytetok.encode("Paris", add_special_tokens=False).tolist()  # the normalizer adds '▁'
     assert bytetok.decode(paris) == "Paris"  # the Strip decoder eats a text's first space ...

@@ -23,13 +23,29 @@ def kept(logits) -> set[int]:
 
 
 # --- worked examples -----------------------------------------------------------------------------
-@pytest.mark.parametrize("p, expected", [(0.4, {0}), (0.6, {0, 1}), (0.9, {0, 1, 2}), (0.99, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})])
+@pytest.mark.parametrize("p, expected", [(0.0, {0}), (0.4, {0}), (0.6, {0, 1}), (0.9, {0, 1, 2}), (0.99, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})])
 def test_top_p_examples(p, expected):
     assert kept(apply_top_p(LOGITS, p)) == expected
 
 
 def test_top_p_renormalises():
     np.testing.assert_allclose(softmax(apply_top_p(LOGITS, 0.6)), [0.625, 0.375, 0, 0], rtol=1e-6)
+    np.testing.assert_allclose(softmax(apply_top_p(LOGITS, 0.9)), np.array([0.5, 0.3, 0.15, 0]) / 0.95, rtol=1e-6)
+    np.testing.assert_allclose(softmax(apply_top_p(LOGITS, 0.99)), PROBS, rtol=1e-6)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("p", [0.0, 0.4, 0.6, 0.9, 0.99])
+def test_top_p_examples_match_transformers(p):
+    np.testing.assert_array_equal(apply_top_p(LOGITS, p), hf(lp().TopPLogitsWarper(p), LOGITS))
+
+
+@pytest.mark.reference
+def test_repetition_penalty_example_matches_transformers():
+    logits = np.array([2, -2, 0.5], dtype=np.float32)
+    expected = hf(lp().RepetitionPenaltyLogitsProcessor(2.0), logits, input_ids=[[0, 1, 1, 0]])
+    np.testing.assert_array_equal(expected, [1, -4, 0.5])
+    np.testing.assert_array_equal(apply_repetition_penalty(logits, [0, 1, 1, 0], 2.0), expected)
 
 
 def test_top_k_and_min_p_examples():
@@ -104,8 +120,8 @@ def test_candidates():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(temperature=-0.1), "temperature must be >= 0"),
     (dict(temperature=float("nan")), "temperature must be a finite number"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=-0.1), r"top_p must be in \[0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \[0, 1\]"),
     (dict(top_k=-1), "top_k must be an integer >= 0"),
     (dict(top_k=2.5), "top_k must be an integer"),
     (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
@@ -149,7 +165,7 @@ def lp():
 
 @pytest.mark.reference
 @settings(max_examples=150, deadline=None)
-@given(logits=LOGIT_ARRAYS, p=st.floats(0.01, 0.999))
+@given(logits=LOGIT_ARRAYS, p=st.floats(0.0, 0.999))
 def test_top_p_matches_transformers(logits, p):
     probs = np.sort(softmax(logits).astype(np.float64))[::-1]
     assume(far_from_cut(np.cumsum(probs), p))

@@ -1,0 +1,84 @@
+"""Diagnosis: the seed lesson's table, made executable.
+
+From a request's measured phase times, say which phase dominated and what that points to:
+
+    symptom                              phase                 look at
+    slow to become ready                 loading               download / conversion / reading weights
+    first request slow                   warm-up               run a warm-up request before "ready"
+    long input delays the first token    prefill               prompt length (prefill is one big GEMM)
+    slow after the first token           decode                bytes read per token (weights + KV)
+    odd text fragments                   tokenizer / template  chat template, special tokens, detokenizer
+
+Times are seconds as measured (``RequestMetrics``, ``Model.load_s``, the warm-up's duration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .metrics import RequestMetrics
+
+#: (symptom, what it points to) for each phase, in the words of the table above.
+TABLE = {
+    "loading": ("slow to become ready", "loading: download, GGUF conversion or reading the weights; "
+                "a second run loads from the cache"),
+    "warm-up": ("first request slow", "warm-up: the first request after load pays one-time costs "
+                "(weights paged in, BLAS threads started); run a warm-up request before 'ready'"),
+    "prefill": ("long input delays the first token", "prefill: time grows with prompt length; "
+                "shorten the prompt or reuse a cached prefix"),
+    "decode": ("slow after the first token", "decode: each step reads every weight once "
+               "(memory-bandwidth bound); fewer bytes per token (a smaller dtype) or fewer tokens"),
+    "tokenizer": ("odd text fragments", "tokenizer / chat template / detokenization: check the "
+                  "template output, special tokens and the streaming detokenizer"),
+}
+
+#: Prompts at least this long can make prefill dominate on their own; a short prompt that still
+#: dominates on the first request points to missing warm-up instead.
+LONG_PROMPT_TOKENS = 128
+
+
+@dataclass
+class Diagnosis:
+    """Which phase dominated a request, and every finding (first = the main one)."""
+
+    phase_seconds: dict[str, float]  # loading, warm-up, prefill (= TTFT), decode: seconds
+    dominant: str  # key of TABLE
+    findings: list[tuple[str, str, str]] = field(default_factory=list)  # (phase, symptom, points to)
+
+    @property
+    def main(self) -> tuple[str, str, str]:
+        return self.findings[0]
+
+
+def diagnose(metrics: RequestMetrics, *, load_s: float | None = None, warmup_s: float | None = None,
+             first_request: bool = False, text: str = "", special_tokens: tuple[str, ...] = ()) -> Diagnosis:
+    """Name the phase that dominated and what it points to.
+
+    Args:
+        metrics: the request's measurements (TTFT and decode step times, seconds).
+        load_s: seconds the model took to load, if this process loaded it for this request.
+        warmup_s: seconds of the warm-up request; None when warm-up was skipped.
+        first_request: True when no request (warm-up included) ran since load.
+        text: the output text, checked for odd fragments (U+FFFD, leaked special tokens).
+        special_tokens: the tokenizer's special-token strings (e.g. ``<|im_end|>``).
+
+    Returns:
+        :class:`Diagnosis`; ``findings[0]`` is the main one.
+    """
+    decode_s = float(sum(metrics.decode_step_s))
+    phases = {"loading": load_s or 0.0, "warm-up": warmup_s or 0.0, "prefill": metrics.ttft_s,
+              "decode": decode_s}
+    dominant = max(phases, key=phases.get)
+    # A short prompt cannot make prefill slow by itself: on a cold first request it is warm-up.
+    if (dominant == "prefill" and warmup_s is None and first_request
+            and metrics.prompt_tokens < LONG_PROMPT_TOKENS):
+        dominant = "warm-up"
+    findings = [(dominant, *TABLE[dominant])]
+    if dominant != "warm-up" and warmup_s is None and first_request:
+        findings.append(("warm-up", *TABLE["warm-up"]))
+    leaked = [s for s in special_tokens if s and s in text]
+    if "\ufffd" in text or leaked:
+        what = "U+FFFD in the output" if "\ufffd" in text else f"special tokens in the text: {leaked}"
+        symptom, points_to = TABLE["tokenizer"]
+        findings.insert(0, ("tokenizer", f"{symptom} ({what})", points_to))
+    return Diagnosis(phases, dominant, findings)

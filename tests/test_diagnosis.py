@@ -1,0 +1,42 @@
+"""The diagnosis table: each slow phase is named, from measured (here: constructed) times."""
+
+from minillm.diagnosis import TABLE, diagnose
+from minillm.metrics import RequestMetrics
+
+
+def metrics(prompt_tokens=8, ttft=0.05, steps=(0.016,) * 16):
+    return RequestMetrics(prompt_tokens=prompt_tokens, new_tokens=len(steps) + 1, ttft_s=ttft,
+                          prefill_s=ttft * 0.9, decode_step_s=list(steps))
+
+
+def test_slow_load_points_to_loading():
+    d = diagnose(metrics(), load_s=30.0, warmup_s=0.2, first_request=False)
+    assert d.dominant == "loading" and d.main == ("loading", *TABLE["loading"])
+
+
+def test_long_prompt_points_to_prefill():
+    d = diagnose(metrics(prompt_tokens=1024, ttft=3.0), load_s=1.0, warmup_s=0.2)
+    assert d.dominant == "prefill" and d.main[1] == "long input delays the first token"
+
+
+def test_short_prompt_slow_first_token_without_warmup_points_to_warmup():
+    d = diagnose(metrics(prompt_tokens=6, ttft=2.0), load_s=1.0, warmup_s=None, first_request=True)
+    assert d.dominant == "warm-up" and d.main[1] == "first request slow"
+
+
+def test_slow_steps_point_to_decode():
+    d = diagnose(metrics(steps=(0.2,) * 40), load_s=1.0, warmup_s=0.2)
+    assert d.dominant == "decode" and d.main[1] == "slow after the first token"
+    assert abs(d.phase_seconds["decode"] - 0.2 * 40) < 1e-9
+
+
+def test_skipped_warmup_is_mentioned_even_when_decode_dominates():
+    d = diagnose(metrics(steps=(0.2,) * 40), load_s=1.0, warmup_s=None, first_request=True)
+    assert [f[0] for f in d.findings] == ["decode", "warm-up"]
+
+
+def test_odd_fragments_point_to_the_tokenizer():
+    d = diagnose(metrics(), load_s=1.0, warmup_s=0.1, text="Paris<|im_end|>", special_tokens=("<|im_end|>",))
+    assert d.main[0] == "tokenizer" and "<|im_end|>" in d.main[1]
+    d = diagnose(metrics(), load_s=1.0, warmup_s=0.1, text="caf\ufffd")
+    assert d.main[0] == "tokenizer" and "U+FFFD" in d.main[1]
