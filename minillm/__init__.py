@@ -26,10 +26,11 @@ from .lifecycle import (
 )
 from .sampling import SamplingParams
 from .stopping import StopReason
-from .trace import Tracer
+from .loading import run_warmup
+from .trace import TraceEvent, Tracer, plot_timeline
 
 __all__ = [
     "GenerationResult", "KVCache", "MiniLLMError", "Model", "ModelConfig", "SamplingParams", "StopReason",
-    "Tracer", "decode_step", "detokenize", "generate", "load", "prefill", "sample", "stream", "tokenize",
+    "TraceEvent", "Tracer", "decode_step", "detokenize", "generate", "load", "prefill", "plot_timeline", "run_warmup", "sample", "stream", "tokenize",
 ]
 __version__ = "0.1.0"

@@ -50,8 +50,14 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
                         "prompt + new tokens never exceed it (reason 'context full')")
     p.add_argument("--verbosity", "-v", choices=("quiet", "summary", "steps", "full"), default="steps",
                    help="how much of the trace to print (default steps)")
+    p.add_argument("--trace", choices=("rich", "json"), default="rich",
+                   help="rich: the readable trace (default); json: the events as JSON lines on stdout")
     p.add_argument("--trace-json", metavar="PATH", default=None,
                    help="also write the trace events as JSON lines to PATH")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="BLAS threads for the matrix multiplies (threadpoolctl; default: all cores)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the warm-up request (the first request then pays one-time costs)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -68,7 +74,7 @@ def _id_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minillm", description="A traced, from-scratch NumPy LLM runtime.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="complete a prompt (no chat template), with a trace")
     _add_request_args(run)
     chat = sub.add_parser("chat", help="answer a user message through the model's chat template")
@@ -99,16 +105,42 @@ def _cmd_models(console: Console) -> int:
     return 0
 
 
+def _check_request_args(args: argparse.Namespace) -> None:
+    """Refuse what would fail later, before the model loads (errors name the fix)."""
+    from pathlib import Path
+
+    from .errors import InvalidRequestError
+
+    if not args.prompt:
+        raise InvalidRequestError("the prompt is empty; give at least one character.")
+    if args.trace_json:
+        folder = Path(args.trace_json).expanduser().resolve().parent
+        if not folder.is_dir():
+            raise InvalidRequestError(f"--trace-json {args.trace_json}: folder {folder} does not exist; "
+                                      "create it or give another path.")
+    if args.threads is not None and args.threads < 1:
+        raise InvalidRequestError(f"--threads must be >= 1, got {args.threads}.")
+
+
 def _cmd_request(args: argparse.Namespace, console: Console) -> int:
-    from . import lifecycle
+    from threadpoolctl import threadpool_limits
+
     from .sampling import SamplingParams
+
+    _check_request_args(args)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    with threadpool_limits(limits=args.threads, user_api="blas"):
+        return _run_request(args, console, params)
+
+
+def _run_request(args: argparse.Namespace, console: Console, params) -> int:
+    from . import lifecycle
     from .stopping import StopReason
     from .trace import Tracer
 
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
-    tracer = Tracer(console, verbosity=args.verbosity)
-    model = lifecycle.load(args.model, tracer=tracer)
+    tracer = Tracer(console if args.trace == "rich" else None, verbosity=args.verbosity)
+    model = lifecycle.load(args.model, tracer=tracer, warmup=not args.no_warmup)
     if args.command == "chat":
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt: str | list = messages + [{"role": "user", "content": args.prompt}]
@@ -139,6 +171,8 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
     result = results[0]
     if args.verbosity == "quiet":
         sys.stdout.write("\n")
+    if args.trace == "json":
+        sys.stdout.write(tracer.to_jsonl())
     if args.trace_json:
         with open(args.trace_json, "w", encoding="utf-8") as f:
             f.write(tracer.to_jsonl())
@@ -151,7 +185,11 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``minillm`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
     console = Console(highlight=False)
     try:
         if args.command == "models":

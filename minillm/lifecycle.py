@@ -2,6 +2,7 @@
 
     load -> tokenize -> prefill -> sample -> decode_step ... -> detokenize -> stop -> free
 
+``load`` (and the warm-up) live in ``loading.py``; the per-request phases are here.
 ``generate`` and ``stream`` are these phases in a loop; read them to see the whole request. Each
 function takes an optional ``tracer`` (``trace.Tracer``); without one it does no tracing work.
 Lifetimes follow llama2.c: a :class:`Model` (weights, tokenizer) lives across requests; a
@@ -10,92 +11,27 @@ Lifetimes follow llama2.c: a :class:`Model` (weights, tokenizer) lives across re
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import sampling
-from .config import ModelConfig
 from .detokenize import IncrementalDetokenizer
 from .detokenize import detokenize as _detokenize
 from .errors import ContextWindowExceeded, InvalidRequestError
-from .hub import ResolvedModel, resolve_model
 from .kv_cache import KVCache
 from .metrics import RequestMetrics
-from .model import Transformer
 from .sampling import SamplingParams
 from .stopping import (OutputStream, StopCriteria, StopReason, cancel_check, describe_stop, validate_stop_strings,
                        validate_stop_token_ids)
-from .tokenizer import Tokenizer
+from .diagnosis import diagnose
+from .loading import Model, load, run_warmup  # noqa: F401  (load is the lifecycle's first phase)
+from .metrics import kv_memory_table, weight_memory_table
 from .trace import Tracer
-from .weights import load_weights
 
 Prompt = str | list[dict]
-
-
-@dataclass
-class Model:
-    """What ``load`` returns and every request shares: config, tokenizer, weights (in ``transformer``)."""
-
-    name: str
-    path: Path
-    config: ModelConfig
-    tokenizer: Tokenizer
-    transformer: Transformer
-    resolved: ResolvedModel
-    load_seconds: dict[str, float] = field(default_factory=dict)  # per step, seconds
-
-    @property
-    def load_s(self) -> float:
-        """Total load time in seconds (resolve + read + convert + tokenizer)."""
-        return sum(self.load_seconds.values())
-
-
-# --- load --------------------------------------------------------------------------------------
-def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None = None,
-         progress: bool = True) -> Model:
-    """Load a model by manifest name (fetched and cached on first use) or from a local folder.
-
-    Args:
-        name_or_path: a name from ``weights_manifest.toml`` (``minillm models``), or a folder with
-            ``config.json``, ``*.safetensors``, ``tokenizer.json``. None: the manifest's default.
-        progress: show rich progress bars while fetching or converting.
-
-    Raises:
-        ModelNotFoundError, DownloadError, ChecksumMismatchError: while resolving the model.
-        ConfigError, WeightsError, TokenizerError: while reading the folder.
-    """
-    from .manifest import default_model_name
-
-    start = tracer.now() if tracer else 0.0
-    t0 = time.perf_counter()
-    resolved = resolve_model(name_or_path if name_or_path is not None else default_model_name(),
-                             progress=progress)
-    t1 = time.perf_counter()
-    config = ModelConfig.from_folder(resolved.path)
-    weights = load_weights(resolved.path, config)
-    t2 = time.perf_counter()
-    tokenizer = Tokenizer.from_folder(resolved.path)
-    t3 = time.perf_counter()
-    seconds = {"resolve": t1 - t0, **weights.seconds, "tokenizer": t3 - t2}
-    model = Model(resolved.name, resolved.path, config, tokenizer, Transformer(config, weights), resolved, seconds)
-    if tracer:
-        tracer.emit(
-            "load", start, t3 - t0, name=resolved.name, source=resolved.source, path=str(resolved.path),
-            notes=list(resolved.notes), config=config.summary(), seconds=seconds,
-            weights={"parameters": weights.num_parameters, "bytes_loaded": weights.nbytes,
-                     "stored": dict(weights.stored_dtypes), "bytes_stored": dict(weights.stored_bytes),
-                     "unused": weights.unused_tensors},
-            tokenizer={"vocab_size": tokenizer.vocab_size,
-                       "special": " ".join(tokenizer.decode([i], skip_special_tokens=False)
-                                           for i in sorted(tokenizer.special_token_ids)[:12]),
-                       "eos_ids": sorted(tokenizer.eos_token_ids)},
-        )
-    return model
 
 
 # --- tokenize ----------------------------------------------------------------------------------
@@ -167,7 +103,7 @@ def prefill(model: Model, ids: np.ndarray, cache: KVCache, *, tracer: Tracer | N
     if tracer:
         dt = time.perf_counter() - t0
         tracer.emit("prefill", start, dt, tokens=len(ids), layers=model.config.num_hidden_layers,
-                    cache_length=cache.length,
+                    offset=cache.length - len(ids), cache_length=cache.length,
                     candidates=_candidate_pieces(model, logits, params or SamplingParams(temperature=1.0)))
     return logits
 
@@ -326,14 +262,18 @@ def stream(model: Model, prompt: Prompt, params: SamplingParams | None = None, *
                 reason = out.stop_reason or reason
             if tracer and len(new_ids) > 1:
                 _emit_step(model, tracer, step_t0, now, len(new_ids) - 1, cache.length - 1, token,
-                           logits, params, seen[:-1], last=reason is not None)
+                           logits, params, seen[:-1], last=reason is not None, delta=delta)
             if delta:
+                if tracer:
+                    tracer.stream_text(delta)
                 yield delta
             if reason is None:
                 reason = criteria.interrupted()  # between steps: before the next forward pass
         tail = out.finish()  # held text is released (a stop string found here still cuts it)
         reason = out.stop_reason or reason
         if tail:
+            if tracer:
+                tracer.stream_text(tail)
             yield tail
     except GeneratorExit:  # the caller stopped reading: that is a cancel too
         if reason is None:
@@ -367,18 +307,36 @@ def stream(model: Model, prompt: Prompt, params: SamplingParams | None = None, *
                         eos_ids=sorted(model.tokenizer.eos_token_ids),
                         eos_text=model.tokenizer.decode([condition], skip_special_tokens=False)
                         if reason is StopReason.EOS else ""))
-        tracer.emit("summary", tracer.now(), metrics.total_s, load_s=model.load_s, **metrics.to_dict())
+        _emit_summary(model, tracer, metrics, out.text)
+    model.requests_served += 1
     if result is not None:
         result.append(GenerationResult(out.text, new_ids, ids.tolist(), reason, metrics, condition))
 
 
-def _emit_step(model, tracer, step_t0, now, step, position, token, logits, params, seen, last):
+def _emit_summary(model: Model, tracer: Tracer, metrics: RequestMetrics, text: str) -> None:
+    tok = model.tokenizer
+    specials = tuple(tok.decode([i], skip_special_tokens=False) for i in sorted(tok.special_token_ids))
+    diagnosis = diagnose(metrics, load_s=model.load_s if model.requests_served == 0 else None,
+                         warmup_s=model.warmup_s, first_request=not model.ready, text=text,
+                         special_tokens=specials)
+    params = model.transformer.weights.num_parameters
+    tracer.emit("summary", tracer.now(), metrics.total_s, load_s=model.load_s, warmup_s=model.warmup_s,
+                **metrics.to_dict(), parameters=params,
+                weight_bytes=weight_memory_table(params), kv_bytes=kv_memory_table(model.config),
+                context=model.config.max_position_embeddings,
+                diagnosis={"dominant": diagnosis.dominant, "phase_seconds": diagnosis.phase_seconds,
+                           "findings": diagnosis.findings})
+
+
+def _emit_step(model, tracer, step_t0, now, step, position, token, logits, params, seen, last, delta=""):
     cands = sampling.candidates(logits, params, seen_ids=seen, k=5)
     prob = dict(cands).get(token, float(sampling.softmax(logits)[token]))
-    tracer.emit("decode", step_t0 - tracer.t0, now - step_t0, step=step, position=position, token=token,
+    fed = seen[-1]  # the token this step fed in, at `position`
+    tracer.emit("decode", step_t0 - tracer.t0, now - step_t0, step=step, position=position,
+                input_token=fed, input_piece=model.tokenizer.piece_for_display(fed), token=token,
                 piece=model.tokenizer.piece_for_display(token), prob=prob,
                 candidates=[(model.tokenizer.piece_for_display(i), p) for i, p in cands],
-                cache_length=position + 1, last=last)
+                cache_length=position + 1, last=last, text=delta)
 
 
 def generate(model: Model, prompt: Prompt, params: SamplingParams | None = None, **kwargs) -> GenerationResult:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -67,6 +68,7 @@ class ScriptedTransformer:
         self.delay_s = delay_s
         self.interrupt_at = interrupt_at
         self.calls = 0  # forward calls in the current request
+        self.weights = SimpleNamespace(num_parameters=0)  # no real weights: the memory table shows 0
         self.fed: list[list[int]] = []  # what each forward call was given
 
     def forward(self, token_ids, cache=None, *, last_only: bool = False, capture=None) -> np.ndarray:

@@ -40,3 +40,9 @@ def test_odd_fragments_point_to_the_tokenizer():
     assert d.main[0] == "tokenizer" and "<|im_end|>" in d.main[1]
     d = diagnose(metrics(), load_s=1.0, warmup_s=0.1, text="caf\ufffd")
     assert d.main[0] == "tokenizer" and "U+FFFD" in d.main[1]
+
+
+def test_a_slow_warmup_that_ran_is_reported_as_paid_before_ready():
+    d = diagnose(metrics(), load_s=1.0, warmup_s=5.0, first_request=False)
+    assert d.dominant == "warm-up" and d.main[1] == "slow to become ready (warm-up)"
+    assert "before 'ready'" in d.main[2]

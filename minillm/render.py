@@ -1,0 +1,216 @@
+"""The rich renderer of trace events: what a student reads in a terminal or a notebook.
+
+Each phase has one small function. The streamed text shows in a rich ``Live`` view at the bottom
+of a terminal while the step lines print above it; piped output gets the text at the stop event.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from .layers import causal_mask
+from .metrics import format_bytes
+from .trace import TraceEvent, Tracer
+
+MASK_GRID_MAX = 12  # print the causal mask as a grid for prompts up to this many tokens
+
+
+def visible(piece: str) -> str:
+    """Make whitespace visible in a token piece: space -> '␣', newline -> '↵', tab -> '⇥'."""
+    return piece.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥")
+
+
+def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
+    table = Table(title=title, title_justify="left", show_header=False, box=None, padding=(0, 2))
+    table.add_column(style="cyan", no_wrap=True)
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, escape(str(value)))
+    return table
+
+
+def _candidates_text(cands: list[tuple[str, float]]) -> str:
+    return "  ".join(f"{visible(p)}:{prob:.2f}" for p, prob in cands)
+
+
+def mask_grid(seq: int, offset: int = 0) -> str:
+    """The causal mask as text: '■' may attend, '·' masked; one row per query position."""
+    mask = causal_mask(seq, offset + seq, offset=offset)
+    return "\n".join(" ".join("■" if v == 0 else "·" for v in row) for row in mask)
+
+
+class Renderer:
+    """Prints each event with rich as it arrives; keeps the Live view of the streamed text."""
+
+    def __init__(self, console: Console, tracer: Tracer, live: bool = False):
+        self.console = console
+        self.tracer = tracer
+        self.use_live = live
+        self.live: Live | None = None
+        self.text = ""
+        self.folded = 0  # decode steps not printed since the last printed one
+
+    # --- streamed text --------------------------------------------------------------------------
+    def stream_text(self, delta: str) -> None:
+        self.text += delta
+        if not self.use_live:
+            return
+        if self.live is None:
+            self.live = Live(console=self.console, auto_refresh=False, transient=True)
+            self.live.start()
+        self.live.update(Text("streaming: ", style="bold green") + Text(self.text), refresh=True)
+
+    def _end_live(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+    # --- events ---------------------------------------------------------------------------------
+    def render(self, e: TraceEvent) -> None:
+        brief = self.tracer.verbosity == "summary"
+        method = getattr(self, f"_{e.phase}", None)
+        if method is None or (brief and e.phase in ("warmup", "prepare", "tokenize", "prefill", "decode")):
+            return
+        if e.phase in ("stop", "summary"):
+            self._end_live()
+            if self.folded:
+                self.console.print(f"[dim]   … {self.folded} steps folded (-v full shows every step)[/]")
+                self.folded = 0
+        method(e)
+
+    def _load(self, e: TraceEvent) -> None:
+        c, d = self.console, e.data
+        c.rule(f"[bold]load[/] {escape(d['name'])}  ({e.duration:.2f} s)")
+        c.print(f"source: [green]{d['source']}[/]  folder: {escape(str(d['path']))}")
+        for note in d.get("notes", []):
+            c.print(f"  note: {escape(note)}")
+        c.print(_kv_table("config", list(d["config"].items())))
+        w = d["weights"]
+        rows = [("parameters", f"{w['parameters']:,}"), ("as loaded", f"float32, {format_bytes(w['bytes_loaded'])}")]
+        rows += [(f"stored {k}", f"{n:,} params, {format_bytes(w['bytes_stored'][k])}") for k, n in w["stored"].items()]
+        if w.get("unused"):
+            rows.append(("unused tensors", ", ".join(w["unused"])))
+        c.print(_kv_table("weights", rows))
+        t = d["tokenizer"]
+        c.print(_kv_table("tokenizer", [("vocab", f"{t['vocab_size']:,}"), ("special", t["special"]),
+                                         ("eos ids", t["eos_ids"])]))
+        c.print("seconds per step: " + ", ".join(f"{k} {v:.2f}" for k, v in d["seconds"].items()))
+        for blas in d.get("blas", []):
+            c.print(f"BLAS: {escape(blas)}")
+
+    def _warmup(self, e: TraceEvent) -> None:
+        d = e.data
+        self.console.print(f"[bold]warm-up[/]: {d['tokens']} tokens + {d['decode_steps']} decode steps in "
+                           f"{e.duration:.2f} s (reported apart from requests) -> [bold green]ready[/]")
+
+    def _prepare(self, e: TraceEvent) -> None:
+        c, d = self.console, e.data
+        c.rule("[bold]request[/] " + ("chat template" if d["chat"] else "completion"))
+        for m in d["messages"]:
+            c.print(f"[magenta]{m['role']}[/]: {escape(m['content'])}")
+        text = Text(d["text"])
+        for special in d.get("special_tokens", []):
+            text.highlight_words([special], style="bold yellow")  # role delimiters, generation marker
+        c.print(Text("text the model reads:", style="bold"))
+        c.print(text)
+
+    def _tokenize(self, e: TraceEvent) -> None:
+        d = e.data
+        self.console.rule(f"[bold]tokenize[/] {len(d['ids'])} tokens  ({e.duration * 1e3:.1f} ms)")
+        table = Table(box=None, padding=(0, 1))
+        for col, justify in (("pos", "right"), ("id", "right"), ("piece", "left")):
+            table.add_column(col, justify=justify)
+        specials = set(d.get("special_ids", ()))
+        for pos, (tid, piece) in enumerate(zip(d["ids"], d["pieces"])):
+            table.add_row(str(pos), str(tid), Text(visible(piece), style="bold yellow" if tid in specials else ""))
+        self.console.print(table)
+
+    def _prefill(self, e: TraceEvent) -> None:
+        c, d = self.console, e.data
+        c.rule(f"[bold]prefill[/] {d['tokens']} tokens in {e.duration:.3f} s  "
+               f"({d['tokens'] / max(e.duration, 1e-9):,.0f} tokens/s)")
+        c.print(f"KV entries written: {d['layers']} layers x {d['tokens']} positions "
+                f"= {d['layers'] * d['tokens']:,} (k and v), cache length {d['cache_length']}")
+        if d["tokens"] <= MASK_GRID_MAX:
+            c.print("causal mask (row = query position, ■ = may attend):")
+            c.print(Text(mask_grid(d["tokens"], d.get("offset", 0)), style="dim"))
+        c.print("first-token candidates: " + escape(_candidates_text(d["candidates"])))
+        if self.tracer.verbosity != "summary":
+            c.print("[dim]each decode step feeds one token at position pos and samples the next:[/]")
+            c.print(f"[dim]{'step':>4} {'pos':>5}  {'input':>14} -> {'output':<14} {'prob':>5}  {'ms':>7}  "
+                    "other candidates[/]")
+
+    def _decode(self, e: TraceEvent) -> None:
+        d, tracer = e.data, self.tracer
+        step, last = d["step"], d.get("last", False)
+        if tracer.verbosity == "steps" and not (step <= 5 or step % tracer.fold_every == 0 or last):
+            self.folded += 1
+            return
+        if self.folded:
+            self.console.print(f"[dim]   … {self.folded} steps folded (-v full shows every step)[/]")
+            self.folded = 0
+        alts = _candidates_text([c for c in d["candidates"] if c[0] != d["piece"]][:4])
+        self.console.print(
+            f"{step:>4} {d['position']:>5}  {escape(visible(d['input_piece'])):>14} -> "
+            f"{escape(visible(d['piece'])):<14} {d['prob']:>5.2f}  {e.duration * 1e3:>7.1f}  [dim]{escape(alts)}[/]",
+            highlight=False, no_wrap=True, overflow="ellipsis")
+
+    def _stop(self, e: TraceEvent) -> None:
+        c, d = self.console, e.data
+        c.rule(f"[bold]stop[/]: {d['reason']}")
+        if d.get("detail"):
+            c.print(escape(d["detail"]))
+        c.print(Text("output: ", style="bold") + Text(d["text"]))
+
+    def _summary(self, e: TraceEvent) -> None:
+        c, m = self.console, e.data
+        rows = [
+            ("load", f"{m['load_s']:.2f} s"),
+            ("warm-up", "skipped" if m.get("warmup_s") is None else f"{m['warmup_s']:.2f} s"),
+            ("prompt tokens", f"{m['prompt_tokens']}"),
+            ("new tokens", f"{m['new_tokens']}"),
+            ("TTFT", f"{m['ttft_s'] * 1e3:.1f} ms"),
+            ("TPOT mean / p50 / p90", f"{m['tpot_s'] * 1e3:.1f} / {m['tpot_p50_s'] * 1e3:.1f} / "
+                                       f"{m['tpot_p90_s'] * 1e3:.1f} ms"),
+            ("prefill", f"{m['prefill_tokens_per_s']:,.0f} tokens/s"),
+            ("decode", f"{m['decode_tokens_per_s']:,.1f} tokens/s"),
+            ("total", f"{m['total_s']:.2f} s"),
+            ("KV cache per token", format_bytes(m["kv_bytes_per_token"])),
+            ("KV cache this request", f"{format_bytes(m['kv_bytes_used'])} used of "
+                                      f"{format_bytes(m['kv_bytes_reserved'])} reserved"),
+        ]
+        c.rule("[bold]summary")
+        table = Table(show_header=False, box=None, padding=(0, 2))
+        table.add_column(style="cyan")
+        table.add_column(justify="right")
+        for row in rows:
+            table.add_row(*row)
+        c.print(table)
+        if "weight_bytes" in m:
+            c.print(self._memory_table(m))
+        if "diagnosis" in m:
+            self._diagnosis(m["diagnosis"])
+
+    @staticmethod
+    def _memory_table(m: dict) -> Table:
+        table = Table(title=f"memory: {m['parameters']:,} parameters, context {m['context']:,}",
+                      title_justify="left", box=None, padding=(0, 2))
+        for col in ("dtype", "weights", "KV / token", "KV at full context"):
+            table.add_column(col, justify="right" if col != "dtype" else "left")
+        for dtype, weight_bytes in m["weight_bytes"].items():
+            per_token, full = m["kv_bytes"][dtype]
+            table.add_row(dtype, format_bytes(weight_bytes), format_bytes(per_token), format_bytes(full))
+        return table
+
+    def _diagnosis(self, d: dict) -> None:
+        c = self.console
+        seconds = ", ".join(f"{k} {v:.2f} s" for k, v in d["phase_seconds"].items())
+        c.print(f"[bold]diagnosis[/]: dominated by [bold]{d['dominant']}[/]  ({seconds})")
+        for phase, symptom, points_to in d["findings"]:
+            c.print(f"  {escape(symptom)} -> {escape(points_to)}")

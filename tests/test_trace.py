@@ -1,0 +1,164 @@
+"""The trace on a real SmolLM2 request: event order, timings, memory formulas, rendering, JSON,
+and the diagnosis when each phase is made slow on purpose."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from rich.console import Console
+
+import minillm
+from minillm import SamplingParams, Tracer
+from minillm.trace import TraceEvent
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def traced():
+    """A model loaded with a recording console, then one greedy request of 6 new tokens."""
+    console = Console(record=True, width=120, force_terminal=False)
+    tracer = Tracer(console, verbosity="full")
+    model = minillm.load("smollm2-135m-instruct", tracer=tracer, progress=False)
+    result = minillm.generate(model, PROMPT, GREEDY, max_new_tokens=6, tracer=tracer)
+    return model, tracer, result, console.export_text()
+
+
+def test_event_sequence_is_the_lifecycle(traced):
+    _, tracer, result, _ = traced
+    phases = [e.phase for e in tracer.events]
+    assert result.stop_reason is minillm.StopReason.MAX_NEW_TOKENS
+    assert phases == ["load", "warmup", "prepare", "tokenize", "prefill"] + ["decode"] * 5 + ["stop", "summary"]
+
+
+def test_ttft_and_tpot_agree_with_event_timestamps(traced):
+    _, tracer, result, _ = traced
+    by_phase = {e.phase: e for e in tracer.events}
+    decode = [e for e in tracer.events if e.phase == "decode"]
+    assert [e.duration for e in decode] == result.metrics.decode_step_s
+    prefill_end = by_phase["prefill"].start + by_phase["prefill"].duration
+    first_token_latency = prefill_end - by_phase["prepare"].start
+    # TTFT also holds the first sampling (a few ms); it starts a hair before `prepare`.
+    assert first_token_latency <= result.metrics.ttft_s <= first_token_latency + 0.05
+    assert decode[0].start >= prefill_end
+    summary = by_phase["summary"].data
+    assert summary["tpot_s"] == pytest.approx(sum(e.duration for e in decode) / 5)
+    assert summary["ttft_s"] == result.metrics.ttft_s
+
+
+def test_memory_numbers_equal_the_formulas(traced):
+    model, tracer, result, _ = traced
+    summary = tracer.events[-1].data
+    params = summary["parameters"]
+    assert params == 134_515_008 == model.transformer.weights.num_parameters
+    assert summary["weight_bytes"] == {"float32": params * 4, "bfloat16/float16": params * 2,
+                                       "int8": params, "int4": params // 2}
+    per_token_f32 = 2 * 30 * 3 * 64 * 4
+    assert summary["kv_bytes"]["float32"] == (per_token_f32, per_token_f32 * 8192)
+    assert summary["kv_bytes"]["int8"] == (per_token_f32 // 4, per_token_f32 // 4 * 8192)
+    assert summary["kv_bytes_per_token"] == per_token_f32
+    # Every position written but the last token's: prompt 5 + 6 new - 1.
+    assert summary["kv_bytes_used"] == (5 + 6 - 1) * per_token_f32
+    load = tracer.events[0].data
+    assert load["weights"]["bytes_loaded"] == params * 4
+
+
+def test_rendered_trace_shows_every_phase(traced):
+    _, _, result, text = traced
+    for needle in ["load smollm2-135m-instruct", "warm-up", "ready", "request completion", "tokenize 5 tokens",
+                   "␣capital", "prefill 5 tokens", "causal mask", "first-token candidates", "␣Paris",
+                   "stop: max new tokens", "summary", "TTFT", "TPOT", "memory:", "diagnosis", "BLAS"]:
+        assert needle in text, needle
+    assert result.text in text
+
+
+def test_json_lines_parse_back_to_the_same_events(traced):
+    _, tracer, _, _ = traced
+    parsed = Tracer.from_jsonl(tracer.to_jsonl())
+    assert [e.phase for e in parsed] == [e.phase for e in tracer.events]
+    assert [(e.start, e.duration) for e in parsed] == [(e.start, e.duration) for e in tracer.events]
+    assert [e.to_json() for e in parsed] == [e.to_json() for e in tracer.events]
+    assert parsed[3].data["ids"] == [504, 3575, 282, 4649, 314]
+
+
+def test_cli_trace_json_writes_json_lines():
+    proc = subprocess.run([sys.executable, "-m", "minillm", "run", PROMPT, "-n", "3", "--trace", "json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    events = [TraceEvent.from_json(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [e.phase for e in events] == ["load", "warmup", "prepare", "tokenize", "prefill", "decode", "decode",
+                                         "stop", "summary"]
+
+
+def test_timeline_plot_has_a_bar_per_event(traced):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    _, tracer, _, _ = traced
+    ax = minillm.plot_timeline(tracer.events)
+    drawn = [e for e in tracer.events if e.phase in ("load", "warmup", "prepare", "tokenize", "prefill", "decode")]
+    assert len(ax.patches) == len(drawn)
+
+
+# --- the diagnosis, each phase made slow on purpose ----------------------------------------------
+def _diagnosis(model, prompt, **kwargs):
+    tracer = Tracer()
+    minillm.generate(model, prompt, GREEDY, tracer=tracer, **kwargs)
+    return tracer.events[-1].data["diagnosis"]
+
+
+def test_slow_loading_is_diagnosed(monkeypatch):
+    import minillm.loading
+
+    real = minillm.loading.load_weights
+
+    def slow_load_weights(*args, **kwargs):
+        time.sleep(3.0)  # an injected delay: a slow disk or a conversion
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(minillm.loading, "load_weights", slow_load_weights)
+    model = minillm.load("smollm2-135m-instruct", progress=False, warmup=False)
+    d = _diagnosis(model, PROMPT, max_new_tokens=3)
+    assert d["dominant"] == "loading" and d["findings"][0][1] == "slow to become ready"
+    assert [f[0] for f in d["findings"]] == ["loading", "warm-up"]  # and the skipped warm-up is named
+
+
+def test_skipped_warmup_is_diagnosed():
+    model = minillm.load("smollm2-135m-instruct", progress=False, warmup=False)
+    real = model.transformer.forward
+    calls = []
+
+    def cold_forward(*args, **kwargs):
+        if not calls:
+            time.sleep(3.0)  # one-time costs of a cold first request, made large on purpose
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    model.transformer.forward = cold_forward
+    d = _diagnosis(model, PROMPT, max_new_tokens=3)
+    assert d["dominant"] == "warm-up" and d["findings"][0][1] == "first request slow"
+
+
+def test_long_prompt_is_diagnosed_as_prefill(smollm2):
+    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)  # ~600 tokens
+    minillm.generate(smollm2, PROMPT, GREEDY, max_new_tokens=1)  # not the first request any more
+    d = _diagnosis(smollm2, long_prompt, max_new_tokens=2)
+    assert d["dominant"] == "prefill" and d["findings"][0][1] == "long input delays the first token"
+
+
+def test_slow_decode_is_diagnosed(smollm2, monkeypatch):
+    real = smollm2.transformer.forward
+
+    def slow_decode(token_ids, *args, **kwargs):
+        if len(token_ids) == 1:
+            time.sleep(0.2)  # an injected delay in every decode step
+        return real(token_ids, *args, **kwargs)
+
+    minillm.generate(smollm2, PROMPT, GREEDY, max_new_tokens=1)
+    monkeypatch.setattr(smollm2.transformer, "forward", slow_decode)
+    d = _diagnosis(smollm2, PROMPT, max_new_tokens=8)
+    assert d["dominant"] == "decode" and d["findings"][0][1] == "slow after the first token"
