@@ -56,9 +56,10 @@ def diagnose(metrics: RequestMetrics, *, load_s: float | None = None, warmup_s: 
 
     Args:
         metrics: the request's measurements (TTFT and decode step times, seconds).
-        load_s: seconds the model took to load, if this process loaded it for this request.
+        load_s: seconds the model took to load.
         warmup_s: seconds of the warm-up request; None when warm-up was skipped.
-        first_request: True when no request (warm-up included) ran since load.
+        first_request: True for the first request since load. Only then do loading and warm-up
+            count: a later request did not wait for them.
         text: the output text, checked for odd fragments (U+FFFD, leaked special tokens).
         special_tokens: the tokenizer's special-token strings (e.g. ``<|im_end|>``).
 
@@ -66,8 +67,9 @@ def diagnose(metrics: RequestMetrics, *, load_s: float | None = None, warmup_s: 
         :class:`Diagnosis`; ``findings[0]`` is the main one.
     """
     decode_s = float(sum(metrics.decode_step_s))
-    phases = {"loading": load_s or 0.0, "warm-up": warmup_s or 0.0, "prefill": metrics.ttft_s,
-              "decode": decode_s}
+    startup = 1.0 if first_request else 0.0
+    phases = {"loading": startup * (load_s or 0.0), "warm-up": startup * (warmup_s or 0.0),
+              "prefill": metrics.ttft_s, "decode": decode_s}
     dominant = max(phases, key=phases.get)
     # A short prompt cannot make prefill slow by itself: on a cold first request it is warm-up.
     if (dominant == "prefill" and warmup_s is None and first_request

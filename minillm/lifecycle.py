@@ -316,8 +316,8 @@ def stream(model: Model, prompt: Prompt, params: SamplingParams | None = None, *
 def _emit_summary(model: Model, tracer: Tracer, metrics: RequestMetrics, text: str) -> None:
     tok = model.tokenizer
     specials = tuple(tok.decode([i], skip_special_tokens=False) for i in sorted(tok.special_token_ids))
-    diagnosis = diagnose(metrics, load_s=model.load_s if model.requests_served == 0 else None,
-                         warmup_s=model.warmup_s, first_request=not model.ready, text=text,
+    diagnosis = diagnose(metrics, load_s=model.load_s, warmup_s=model.warmup_s,
+                         first_request=model.requests_served == 0, text=text,
                          special_tokens=specials)
     params = model.transformer.weights.num_parameters
     tracer.emit("summary", tracer.now(), metrics.total_s, load_s=model.load_s, warmup_s=model.warmup_s,

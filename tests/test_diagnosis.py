@@ -10,7 +10,7 @@ def metrics(prompt_tokens=8, ttft=0.05, steps=(0.016,) * 16):
 
 
 def test_slow_load_points_to_loading():
-    d = diagnose(metrics(), load_s=30.0, warmup_s=0.2, first_request=False)
+    d = diagnose(metrics(), load_s=30.0, warmup_s=0.2, first_request=True)
     assert d.dominant == "loading" and d.main == ("loading", *TABLE["loading"])
 
 
@@ -43,6 +43,11 @@ def test_odd_fragments_point_to_the_tokenizer():
 
 
 def test_a_slow_warmup_that_ran_is_reported_as_paid_before_ready():
-    d = diagnose(metrics(), load_s=1.0, warmup_s=5.0, first_request=False)
+    d = diagnose(metrics(), load_s=1.0, warmup_s=5.0, first_request=True)
     assert d.dominant == "warm-up" and d.main[1] == "slow to become ready (warm-up)"
     assert "before 'ready'" in d.main[2]
+
+
+def test_a_later_request_is_not_blamed_on_loading_or_warmup():
+    d = diagnose(metrics(), load_s=30.0, warmup_s=5.0, first_request=False)
+    assert d.dominant == "decode" and d.phase_seconds["loading"] == 0 and d.phase_seconds["warm-up"] == 0
