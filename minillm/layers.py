@@ -4,17 +4,28 @@ No batch dimension: minillm runs one request, so activations are ``[seq, d_model
 tensors ``[n_heads, seq, head_dim]``. Letters: ``seq`` = positions in this call, ``ctx`` = positions
 in the cache (past + this call), ``vocab``, ``d_model``, ``n_heads``, ``n_kv_heads``, ``head_dim``.
 
-The numerical reference is Hugging Face transformers' ``models/llama/modeling_llama.py``
+Every family minillm runs is built from these pieces; ``model.py`` picks among them with the flags
+in ``ModelConfig`` (RMSNorm or LayerNorm, RoPE or learned positions, gated or plain MLP, ...).
+
+The numerical reference is Hugging Face transformers: ``models/llama/modeling_llama.py``
 (``LlamaRMSNorm``, ``LlamaRotaryEmbedding``, ``rotate_half``, ``eager_attention_forward``,
-``LlamaMLP``); the ideas come from Vaswani et al. 2017 (attention), Zhang & Sennrich 2019 (RMSNorm),
-Su et al. 2021 (RoPE), Ainslie et al. 2023 (GQA) and Shazeer 2020 (SwiGLU).
+``LlamaMLP``), ``modeling_rope_utils.py`` (``_compute_llama3_parameters``), ``models/gpt2`` (LayerNorm,
+``gelu_new``), ``models/gemma3`` (``Gemma3RMSNorm``, sliding windows, soft-capping) and
+``masking_utils.py`` (``sliding_window_overlay``). The ideas come from Vaswani et al. 2017
+(attention), Ba et al. 2016 (LayerNorm), Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE),
+Ainslie et al. 2023 (GQA), Shazeer 2020 (GLU variants: SwiGLU, GeGLU), Beltagy et al. 2020
+(sliding-window attention).
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any, Callable
+
 import numpy as np
 
 
+# --- embeddings and norms -------------------------------------------------------------------------
 def embed(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     """Look up token embeddings: ``[seq]`` int ids, ``[vocab, d_model]`` table -> ``[seq, d_model]``."""
     return table[token_ids]
@@ -23,20 +34,69 @@ def embed(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``.
 
-    ``x`` is ``[seq, d_model]`` float32, ``weight`` ``[d_model]``; returns ``[seq, d_model]``.
-    Unlike LayerNorm it neither subtracts the mean nor adds a bias.
+    ``x`` is ``[..., dim]`` float32 (``[seq, d_model]``, or ``[heads, seq, head_dim]`` for QK-norm),
+    ``weight`` ``[dim]``; returns the shape of ``x``. Unlike LayerNorm it neither subtracts the
+    mean nor adds a bias. Gemma's variant multiplies by ``1 + weight``; ``weights.py`` adds that
+    ``1`` once at load time, so the same function serves both.
     """
-    variance = np.mean(x * x, axis=-1, keepdims=True)  # [seq, 1]
+    variance = np.mean(x * x, axis=-1, keepdims=True)  # [..., 1]
     return x / np.sqrt(variance + np.float32(eps)) * weight
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """LayerNorm (Ba et al. 2016), as in GPT-2: ``(x - mean) / sqrt(var + eps) * weight + bias``.
+
+    ``x`` ``[seq, d_model]`` float32; ``weight`` and ``bias`` ``[d_model]``. The variance is the
+    biased one (divide by ``d_model``), like ``torch.nn.LayerNorm``.
+    """
+    centered = x - np.mean(x, axis=-1, keepdims=True)  # [seq, d_model]
+    variance = np.mean(centered * centered, axis=-1, keepdims=True)  # [seq, 1]
+    return centered / np.sqrt(variance + np.float32(eps)) * weight + bias
+
+
+# --- positions: RoPE --------------------------------------------------------------------------------
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> np.ndarray:
     """RoPE's per-pair rotation speeds ``theta^(-2i/head_dim)`` for i in [0, head_dim/2): ``[head_dim/2]``.
 
-    Computed in float32 like transformers, so angles agree to the last bit that matters.
+    The exponents ``2i/head_dim`` are float32 like transformers'; the power is taken in float64 and
+    rounded once to float32, the correctly rounded value torch's pow gives (NumPy's float32 pow
+    can be an ulp or two off, and slow pairs at long positions would feel it). ``scaling`` (``ModelConfig.rope_scaling``) stretches them for long contexts: ``linear`` divides
+    every speed by ``factor``; ``llama3`` see :func:`llama3_scaled_frequencies`. ``None`` or
+    ``{"rope_type": "default"}`` leaves them alone. Raises ``ValueError`` for another type
+    (``config.py`` refuses those earlier, with the fix).
     """
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    return (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+    powers = (np.float64(theta) ** exponents.astype(np.float64)).astype(np.float32)  # [head_dim/2]
+    inv_freq = np.float32(1.0) / powers
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":  # position interpolation: positions squeezed by `factor`
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+    if kind == "llama3":
+        return llama3_scaled_frequencies(inv_freq, scaling)
+    raise ValueError(f"RoPE scaling {kind!r} is not implemented")
+
+
+def llama3_scaled_frequencies(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
+    """Llama 3.1's RoPE scaling (``rope_type: llama3``): slow pairs stretched, fast pairs kept.
+
+    A pair whose wavelength ``2 pi / inv_freq`` is longer than ``original_max_position_embeddings /
+    low_freq_factor`` never completed a turn in pre-training: divide its speed by ``factor``.
+    Shorter than ``original / high_freq_factor``: keep it. In between: blend the two smoothly.
+    ``inv_freq`` ``[head_dim/2]`` float32 in and out; float32 arithmetic in transformers' order
+    (``modeling_rope_utils._compute_llama3_parameters``).
+    """
+    f32 = np.float32
+    factor, old_context = f32(scaling["factor"]), f32(scaling["original_max_position_embeddings"])
+    low, high = f32(scaling["low_freq_factor"]), f32(scaling["high_freq_factor"])
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = f32(2 * math.pi) / inv_freq  # [head_dim/2]
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (f32(1) - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -66,6 +126,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos + rotate_half(x) * sin
 
 
+# --- masks ------------------------------------------------------------------------------------------
 def causal_mask(seq: int, ctx: int, offset: int = 0) -> np.ndarray:
     """The additive causal mask ``[seq, ctx]``: 0 where a query may look, -inf where it may not.
 
@@ -84,11 +145,47 @@ def causal_mask(seq: int, ctx: int, offset: int = 0) -> np.ndarray:
     return np.where(key_pos <= query_pos, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
 
 
+def sliding_window_mask(seq: int, ctx: int, offset: int = 0, window: int = 4096) -> np.ndarray:
+    """The additive mask of a sliding-window layer ``[seq, ctx]``: causal, and at most ``window`` back.
+
+    Query at position ``p`` sees keys ``p - window + 1 .. p`` (itself and the ``window - 1`` before
+    it; transformers' ``sliding_window_overlay``: ``kv_idx > q_idx - window``). Older keys stay in
+    the cache for the full-attention layers but this layer never reads them. Prefill of 6 tokens
+    with ``window=3``, then a decode step at position 6 (``offset=6``, ``ctx=7``)::
+
+        prefill              decode (one row)
+        0 - - - - -          - - - - 0 0 0
+        0 0 - - - -
+        0 0 0 - - -
+        - 0 0 0 - -
+        - - 0 0 0 -
+        - - - 0 0 0
+
+    ``print(mask_picture(sliding_window_mask(6, 6, window=3)))`` draws the left one.
+    """
+    query_pos = offset + np.arange(seq)[:, None]  # [seq, 1]
+    key_pos = np.arange(ctx)[None, :]  # [1, ctx]
+    visible = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [seq, ctx]
+    return np.where(visible, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+
+
+def mask_picture(mask: np.ndarray) -> str:
+    """Draw an additive mask ``[seq, ctx]`` as text: ``0`` where a query may look, ``-`` where not."""
+    return "\n".join(" ".join("0" if v == 0 else "-" for v in row) for row in mask)
+
+
+# --- attention --------------------------------------------------------------------------------------
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     """Numerically stable softmax (subtract the max first), float32 in, float32 out."""
     x = x - np.max(x, axis=axis, keepdims=True)
     e = np.exp(x)
     return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """Soft-capping (Gemma's ``final_logit_softcapping``): ``cap * tanh(x / cap)`` squashes values
+    smoothly into ``(-cap, cap)``."""
+    return np.tanh(x / np.float32(cap)) * np.float32(cap)
 
 
 def attention(
@@ -99,8 +196,8 @@ def attention(
     Args:
         q: ``[n_heads, seq, head_dim]`` rotated queries.
         k, v: ``[n_kv_heads, ctx, head_dim]``, the cache's filled slice (past + this call).
-        mask: ``[seq, ctx]`` additive mask from :func:`causal_mask`.
-        scale: multiplies ``q . k``, usually ``head_dim ** -0.5``.
+        mask: ``[seq, ctx]`` additive mask from :func:`causal_mask` or :func:`sliding_window_mask`.
+        scale: multiplies ``q . k``: ``head_dim ** -0.5``, or Gemma's ``query_pre_attn_scalar ** -0.5``.
 
     Returns:
         ``(z, pattern)``: ``z`` ``[n_heads, seq, head_dim]`` and the attention probabilities
@@ -120,6 +217,15 @@ def attention(
     return z.reshape(n_heads, seq, head_dim), pattern
 
 
+# --- projections, activations and MLPs ------------------------------------------------------------
+def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    """``x @ w (+ b)``: ``x`` ``[seq, in]``, ``w`` ``[in, out]`` (pre-transposed at load), ``b`` ``[out]``."""
+    y = x @ w  # [seq, out]
+    if b is not None:
+        y += b  # in place: the product is a fresh array, no second allocation
+    return y
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     """SiLU / swish: ``x * sigmoid(x)``.
 
@@ -128,13 +234,37 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x * (np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * x)))
 
 
-def swiglu_mlp(x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    """SwiGLU MLP (Shazeer 2020): ``down(silu(gate(x)) * up(x))``.
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (GPT-2's ``gelu_new``, Gemma's ``gelu_pytorch_tanh``):
+
+    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
+    """
+    inner = np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * (x * x * x))
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+
+
+#: ModelConfig.hidden_act -> the function.
+ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
+def gated_mlp(
+    x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, act: Callable[[np.ndarray], np.ndarray],
+    b_gate_up: np.ndarray | None = None, b_down: np.ndarray | None = None,
+) -> np.ndarray:
+    """Gated MLP (Shazeer 2020): ``down(act(gate(x)) * up(x))``; SwiGLU with SiLU, GeGLU with GELU.
 
     ``x`` ``[seq, d_model]``, ``w_gate_up`` ``[d_model, 2 * ffn]`` (gate | up), ``w_down``
-    ``[ffn, d_model]``; returns ``[seq, d_model]``.
+    ``[ffn, d_model]``, optional biases ``[2 * ffn]`` and ``[d_model]``; returns ``[seq, d_model]``.
     """
-    gate_up = x @ w_gate_up  # [seq, 2 * ffn]
+    gate_up = linear(x, w_gate_up, b_gate_up)  # [seq, 2 * ffn]
     ffn = w_down.shape[0]
     gate, up = gate_up[:, :ffn], gate_up[:, ffn:]  # each [seq, ffn]
-    return (silu(gate) * up) @ w_down  # [seq, d_model]
+    return linear(act(gate) * up, w_down, b_down)  # [seq, d_model]
+
+
+def plain_mlp(
+    x: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, act: Callable[[np.ndarray], np.ndarray],
+    b_up: np.ndarray | None = None, b_down: np.ndarray | None = None,
+) -> np.ndarray:
+    """GPT-2's MLP: ``down(act(up(x)))``: ``w_up`` ``[d_model, ffn]``, ``w_down`` ``[ffn, d_model]``."""
+    return linear(act(linear(x, w_up, b_up)), w_down, b_down)  # [seq, ffn] -> [seq, d_model]

@@ -83,8 +83,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None
     # reading the weights, laying them out, the tokenizer, and allocating the model's tables.
     fetch_steps = {k: v for k, v in resolved.seconds.items() if k not in ("total", "resolve")}
     seconds = {"resolve": max(0.0, (t1 - t0) - sum(fetch_steps.values())), **fetch_steps}
-    seconds.update({f"weights {k}": v for k, v in weights.seconds.items()})
-    seconds.update({"tokenizer": t3 - t2, "allocate": t4 - t3})
+    seconds.update({"config + weights": t2 - t1, "tokenizer": t3 - t2, "allocate": t4 - t3})
     model = Model(resolved.name, resolved.path, config, tokenizer, transformer, resolved, seconds)
     if tracer:
         tracer.emit(
@@ -92,7 +91,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None
             notes=list(resolved.notes), config=config.summary(), seconds=seconds, blas=blas_summary(),
             weights={"parameters": weights.num_parameters, "bytes_loaded": weights.nbytes,
                      "stored": dict(weights.stored_dtypes), "bytes_stored": dict(weights.stored_bytes),
-                     "unused": weights.unused_tensors},
+                     "unused": weights.unused_tensors, "seconds": dict(weights.seconds)},
             tokenizer={"vocab_size": tokenizer.vocab_size,
                        "special": " ".join(tokenizer.decode([i], skip_special_tokens=False)
                                            for i in sorted(tokenizer.special_token_ids)[:12]),

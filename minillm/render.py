@@ -94,6 +94,8 @@ class Renderer:
         w = d["weights"]
         rows = [("parameters", f"{w['parameters']:,}"), ("as loaded", f"float32, {format_bytes(w['bytes_loaded'])}")]
         rows += [(f"stored {k}", f"{n:,} params, {format_bytes(w['bytes_stored'][k])}") for k, n in w["stored"].items()]
+        if w.get("seconds"):
+            rows.append(("seconds", ", ".join(f"{k} {v:.2f}" for k, v in w["seconds"].items())))
         if w.get("unused"):
             rows.append(("unused tensors", ", ".join(w["unused"])))
         c.print(_kv_table("weights", rows))

@@ -1,39 +1,75 @@
 """Weights: safetensors files -> float32 NumPy arrays in one internal layout.
 
-Every family's Hugging Face tensor names are mapped here onto the same :class:`Weights` layout, so
-``model.py`` has one forward pass. Projections are stored *pre-transposed* as ``[in, out]`` so the
-forward reads ``x @ W`` like the textbook, and q/k/v (and gate/up) are concatenated at load so each
-is one contiguous matrix multiply.
+Every family's Hugging Face tensor names are mapped here (:data:`NAME_MAPS`) onto the same
+:class:`Weights` layout, so ``model.py`` has one forward pass. Projections are stored
+*pre-transposed* as ``[in, out]`` so the forward reads ``x @ W`` like the textbook, and q/k/v (and
+gate/up) are concatenated at load so each is one contiguous matrix multiply.
 
-HF stores ``nn.Linear`` weights as ``[out, in]``; we transpose once here, never per token.
+Three layouts arrive on disk, and each is turned into ours once, here, never per token:
+
+- HF ``nn.Linear`` weights are ``[out, in]``: transposed.
+- GPT-2's ``Conv1D`` weights are already ``[in, out]``, and its ``c_attn`` already fuses q|k|v.
+- Gemma's RMSNorm weights ``w`` are applied as ``(1 + w)`` (``Gemma3RMSNorm``): the ``1`` is added
+  here, so ``layers.rms_norm`` is the same function for every family.
+
+Stored dtypes: float32, float16 and bfloat16 (also float64), from one file or a sharded
+checkpoint; ``safetensors_file.py`` reads them (bfloat16 widened to float32 exactly, by hand).
+Tensors a family does not need are left unread and listed in ``Weights.unused_tensors``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 
 from .config import ModelConfig
 from .errors import WeightsError
+from .safetensors_file import StoredTensor, dtype_name, itemsize, read_safetensors_header, weight_files
 
 
 @dataclass
 class LayerWeights:
-    """One decoder block. Shapes use d = hidden_size, f = intermediate_size."""
+    """One decoder block, float32. Shapes: d = hidden_size, f = intermediate_size.
+
+    The optional fields are None in families that lack them.
+    """
 
     attn_norm: np.ndarray  # [d]
     w_qkv: np.ndarray  # [d, q_dim + 2 * kv_dim]   (q | k | v)
     w_o: np.ndarray  # [q_dim, d]
-    mlp_norm: np.ndarray  # [d]
-    w_gate_up: np.ndarray  # [d, 2 * f]              (gate | up)
+    mlp_norm: np.ndarray  # [d]  (Gemma: pre_feedforward_layernorm)
     w_down: np.ndarray  # [f, d]
+    w_gate_up: np.ndarray | None = None  # [d, 2 * f] (gate | up), gated MLPs
+    w_up: np.ndarray | None = None  # [d, f], plain MLP (GPT-2)
+    attn_norm_bias: np.ndarray | None = None  # [d], LayerNorm (GPT-2)
+    mlp_norm_bias: np.ndarray | None = None  # [d], LayerNorm (GPT-2)
+    b_qkv: np.ndarray | None = None  # [q_dim + 2 * kv_dim] (GPT-2, Qwen 2)
+    b_o: np.ndarray | None = None  # [d]
+    b_gate_up: np.ndarray | None = None  # [2 * f]
+    b_up: np.ndarray | None = None  # [f]
+    b_down: np.ndarray | None = None  # [d]
+    q_norm: np.ndarray | None = None  # [head_dim] (Qwen 3, Gemma 3)
+    k_norm: np.ndarray | None = None  # [head_dim]
+    attn_post_norm: np.ndarray | None = None  # [d] (Gemma 3: post_attention_layernorm)
+    mlp_post_norm: np.ndarray | None = None  # [d] (Gemma 3: post_feedforward_layernorm)
+
+    def arrays(self):
+        """Yield every parameter array of the block (skipping the absent ones)."""
+        for f in fields(self):
+            if (a := getattr(self, f.name)) is not None:
+                yield a
+
+    def projections(self):
+        """Yield the block's matrices, the ones a token's matrix products stream through:
+        ``w_qkv``, ``w_o``, ``w_gate_up`` (or GPT-2's ``w_up``), ``w_down``."""
+        for a in (self.w_qkv, self.w_o, self.w_gate_up, self.w_up, self.w_down):
+            if a is not None:
+                yield a
 
 
 @dataclass
@@ -44,17 +80,22 @@ class Weights:
     layers: list[LayerWeights]
     final_norm: np.ndarray  # [d]
     lm_head: np.ndarray  # [d, vocab]; a transposed *view* of embed_tokens when tied
-    stored_dtypes: Counter = field(default_factory=Counter)  # {"F32": n_params, ...} as on disk
-    stored_bytes: Counter = field(default_factory=Counter)  # {"F32": bytes, ...} as on disk
+    pos_embed: np.ndarray | None = None  # [max_positions, d], learned positions (GPT-2)
+    final_norm_bias: np.ndarray | None = None  # [d], LayerNorm (GPT-2)
+    stored_dtypes: Counter = field(default_factory=Counter)  # {"bfloat16": n_params, ...} as on disk
+    stored_bytes: Counter = field(default_factory=Counter)  # {"bfloat16": bytes, ...} as on disk
     unused_tensors: list[str] = field(default_factory=list)  # in the files, not needed
     files: list[Path] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)  # {"read": s, "convert": s}
+    seconds: dict[str, float] = field(default_factory=dict)  # {"read": bytes -> float32, "convert": layout}
 
     def arrays(self):
         """Yield every distinct parameter array once (a tied head is not counted twice)."""
         yield self.embed_tokens
+        for extra in (self.pos_embed, self.final_norm_bias):
+            if extra is not None:
+                yield extra
         for layer in self.layers:
-            yield from (layer.attn_norm, layer.w_qkv, layer.w_o, layer.mlp_norm, layer.w_gate_up, layer.w_down)
+            yield from layer.arrays()
         yield self.final_norm
         if not np.shares_memory(self.lm_head, self.embed_tokens):
             yield self.lm_head
@@ -69,156 +110,202 @@ class Weights:
         return sum(a.nbytes for a in self.arrays())
 
 
-# Hugging Face names per family; "{i}" is the layer index.
-LLAMA_NAMES = {
+# --- Hugging Face names per family ----------------------------------------------------------------
+# Internal key -> HF tensor name; "{i}" is the layer index. A key a family lacks is simply absent;
+# which present keys are *required* follows from the config (biases, QK-norm, post-norms...).
+_DECODER = {  # the "model.layers.{i}" layout of Llama, Qwen 2/3 and Gemma 3 (HF nn.Linear: [out, in])
     "embed_tokens": "model.embed_tokens.weight",
     "final_norm": "model.norm.weight",
     "lm_head": "lm_head.weight",
     "attn_norm": "model.layers.{i}.input_layernorm.weight",
-    "q": "model.layers.{i}.self_attn.q_proj.weight",
-    "k": "model.layers.{i}.self_attn.k_proj.weight",
-    "v": "model.layers.{i}.self_attn.v_proj.weight",
-    "o": "model.layers.{i}.self_attn.o_proj.weight",
+    **{p: f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkvo"},
+    **{f"{p}_bias": f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkvo"},
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
     "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "gate": "model.layers.{i}.mlp.gate_proj.weight",
-    "up": "model.layers.{i}.mlp.up_proj.weight",
-    "down": "model.layers.{i}.mlp.down_proj.weight",
+    **{p: f"model.layers.{{i}}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+    **{f"{p}_bias": f"model.layers.{{i}}.mlp.{p}_proj.bias" for p in ("gate", "up", "down")},
 }
-NAME_MAPS = {"llama": LLAMA_NAMES}
+# Gemma 3 puts a norm on each side of attention and of the MLP. Beware the names: its
+# "post_attention_layernorm" normalises the attention *output*; Llama's (same name) is the pre-MLP norm.
+_GEMMA3 = {
+    **_DECODER,
+    "attn_post_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "mlp_post_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+# GPT-2 (Conv1D weights stored [in, out]; c_attn holds q|k|v). Hub files written before
+# GPT2LMHeadModel drop the "transformer." prefix; both spellings are accepted.
+_GPT2 = {
+    "embed_tokens": "transformer.wte.weight",
+    "pos_embed": "transformer.wpe.weight",
+    "final_norm": "transformer.ln_f.weight",
+    "final_norm_bias": "transformer.ln_f.bias",
+    "lm_head": "lm_head.weight",
+    "attn_norm": "transformer.h.{i}.ln_1.weight",
+    "attn_norm_bias": "transformer.h.{i}.ln_1.bias",
+    "qkv": "transformer.h.{i}.attn.c_attn.weight",
+    "qkv_bias": "transformer.h.{i}.attn.c_attn.bias",
+    "o": "transformer.h.{i}.attn.c_proj.weight",
+    "o_bias": "transformer.h.{i}.attn.c_proj.bias",
+    "mlp_norm": "transformer.h.{i}.ln_2.weight",
+    "mlp_norm_bias": "transformer.h.{i}.ln_2.bias",
+    "up": "transformer.h.{i}.mlp.c_fc.weight",
+    "up_bias": "transformer.h.{i}.mlp.c_fc.bias",
+    "down": "transformer.h.{i}.mlp.c_proj.weight",
+    "down_bias": "transformer.h.{i}.mlp.c_proj.bias",
+}
+NAME_MAPS = {"llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "gemma3": _GEMMA3, "gpt2": _GPT2}
+CONV1D_FAMILIES = {"gpt2"}  # linear weights stored [in, out] (transformers' pytorch_utils.Conv1D)
+_OPTIONAL_PREFIX = {"gpt2": "transformer."}
 
 
-def weight_files(folder: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a model folder: the shards named by
-    ``model.safetensors.index.json`` if present, else every ``*.safetensors``.
-
-    Raises:
-        WeightsError: no safetensors file; only pickle files (``.bin``/``.pt``), which minillm
-            never loads because unpickling runs code; an index naming a missing shard or a path
-            outside the folder.
-    """
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise WeightsError(f"{index} is not a valid shard index ({exc}); re-download the model.") from exc
-        files = []
-        for name in shard_names:
-            path = (folder / name).resolve()
-            if folder.resolve() not in path.parents:
-                raise WeightsError(f"{index} names {name!r}, outside the model folder; refusing to read it.")
-            if not path.is_file():
-                raise WeightsError(f"{index} names shard {name!r}, which is missing from {folder}; re-download it.")
-            files.append(path)
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        pickles = sorted(p.name for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-        if pickles:
-            raise WeightsError(
-                f"{folder} has only pickle weights ({', '.join(pickles)}); minillm never unpickles "
-                "(it can run code). Convert them to safetensors or download the safetensors files."
-            )
-        raise WeightsError(f"no *.safetensors weights in {folder}; download the model's weights.")
-    return files
-
-
-def _read_tensors(files: list[Path]) -> tuple[dict[str, np.ndarray], Counter, Counter]:
-    """Read every tensor as a NumPy array, counting parameters and bytes per stored dtype."""
-    tensors: dict[str, np.ndarray] = {}
+def _read_tensors(files: list[Path]) -> tuple[dict[str, StoredTensor], Counter, Counter]:
+    """Map every tensor of every file, counting parameters and bytes per stored dtype."""
+    tensors: dict[str, StoredTensor] = {}
     counts: Counter = Counter()
     nbytes: Counter = Counter()
     for file in files:
-        try:
-            with safe_open(str(file), framework="numpy") as f:
-                for name in f.keys():
-                    array = f.get_tensor(name)
-                    dtype = str(array.dtype)
-                    counts[dtype] += array.size
-                    nbytes[dtype] += array.nbytes
-                    tensors[name] = array
-        except (OSError, ValueError, RuntimeError, TypeError) as exc:
-            raise WeightsError(
-                f"cannot read {file} ({type(exc).__name__}: {exc}); the file is corrupt, truncated "
-                "or in a dtype minillm does not read. Re-download it."
-            ) from exc
+        for name, t in read_safetensors_header(file).items():
+            n = int(np.prod(t.shape, dtype=np.int64))
+            counts[dtype_name(t.dtype)] += n
+            nbytes[dtype_name(t.dtype)] += n * itemsize(t.dtype)
+            tensors[name] = t
     return tensors, counts, nbytes
 
 
+# --- loading ---------------------------------------------------------------------------------------
 def load_weights(folder: str | os.PathLike, config: ModelConfig) -> Weights:
     """Load a model folder's safetensors into the internal float32 layout.
 
     Returns:
-        Weights with projections pre-transposed to ``[in, out]`` and fused (q|k|v, gate|up).
+        Weights with projections pre-transposed to ``[in, out]`` and fused (q|k|v, gate|up), norms
+        with Gemma's ``1 +`` folded in, and ``unused_tensors``: names in the files this family
+        does not need (e.g. a GPT-2 ``attn.bias`` mask buffer), ignored.
 
     Raises:
-        WeightsError: unreadable file, a tensor missing, or a tensor of the wrong shape (the
-            message names the tensor, the expected and the found shape).
+        WeightsError: unreadable file, a tensor missing, a tensor of the wrong shape (the message
+            names the tensor, the expected and the found shape), or one stored in a dtype minillm
+            does not read.
     """
-    names = NAME_MAPS[config.model_type]
+    family = config.family
+    names = NAME_MAPS[family]
     t0 = time.perf_counter()
     files = weight_files(folder)
     tensors, counts, nbytes = _read_tensors(files)
     t1 = time.perf_counter()
     used: set[str] = set()
+    reading = [t1 - t0]  # seconds spent reading bytes (headers, then each tensor as it is taken)
+    prefix = _OPTIONAL_PREFIX.get(family)
 
-    d, f, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    d, f, vocab, hd = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
+    q_dim, kv_dim = config.q_dim, config.kv_dim
+
+    def find(key: str, i: int | None) -> str | None:
+        name = names[key].format(i=i)
+        if name in tensors:
+            return name
+        if prefix and name.startswith(prefix) and name[len(prefix):] in tensors:
+            return name[len(prefix):]
+        return None
 
     def take(key: str, shape: tuple[int, ...], i: int | None = None) -> np.ndarray:
-        name = names[key].format(i=i)
-        if name not in tensors:
+        name = find(key, i)
+        if name is None:
             raise WeightsError(
-                f"tensor {name!r} is missing from {Path(folder)}; the checkpoint is incomplete or "
-                f"not a {config.model_type} model. Re-download it."
+                f"tensor {names[key].format(i=i)!r} is missing from {Path(folder)}; the checkpoint is "
+                f"incomplete or not a {config.model_type} model with this config.json. Re-download it."
             )
-        array = tensors[name]
-        if tuple(array.shape) != shape:
+        stored = tensors[name]
+        if stored.shape != shape:
             raise WeightsError(
-                f"tensor {name!r} has shape {tuple(array.shape)}, expected {shape} from config.json; "
+                f"tensor {name!r} has shape {stored.shape}, expected {shape} from config.json; "
                 "the weights and config.json belong to different models."
             )
+        t = time.perf_counter()
+        try:
+            array = stored.to_float32()
+        except WeightsError as exc:
+            raise WeightsError(f"tensor {name!r}: {exc}") from None
+        reading[0] += time.perf_counter() - t
         used.add(name)
-        return array.astype(np.float32, copy=False)
+        return array
 
-    def linear(key: str, out_dim: int, in_dim: int, i: int) -> np.ndarray:
-        return take(key, (out_dim, in_dim), i)  # HF nn.Linear layout: [out, in]
+    def linear(key: str, in_dim: int, out_dim: int, i: int) -> np.ndarray:
+        """A projection as ``[in, out]``, whichever way the file stores it."""
+        if family in CONV1D_FAMILIES:
+            return take(key, (in_dim, out_dim), i)  # Conv1D: already [in, out]
+        return take(key, (out_dim, in_dim), i).T  # nn.Linear [out, in] -> [in, out] (a view; copied below)
+
+    def norm(key: str, dim: int, i: int | None = None) -> np.ndarray:
+        w = take(key, (dim,), i)
+        if config.norm_weight_offset:  # Gemma3RMSNorm: x_normed * (1 + w), in float32
+            w = w + np.float32(config.norm_weight_offset)
+        return w
+
+    def maybe(cond: bool, key: str, shape: tuple[int, ...], i: int | None = None) -> np.ndarray | None:
+        return take(key, shape, i) if cond else None
 
     layers = []
     for i in range(config.num_hidden_layers):
-        q = linear("q", config.q_dim, d, i)
-        k = linear("k", config.kv_dim, d, i)
-        v = linear("v", config.kv_dim, d, i)
-        gate = linear("gate", f, d, i)
-        up = linear("up", f, d, i)
-        layers.append(
-            LayerWeights(
-                attn_norm=take("attn_norm", (d,), i),
-                # [q_dim + 2 kv_dim, d] -> [d, q_dim + 2 kv_dim]: one GEMM gives q, k and v
-                w_qkv=np.ascontiguousarray(np.concatenate([q, k, v], axis=0).T),
-                w_o=np.ascontiguousarray(linear("o", d, config.q_dim, i).T),  # [q_dim, d]
-                mlp_norm=take("mlp_norm", (d,), i),
-                w_gate_up=np.ascontiguousarray(np.concatenate([gate, up], axis=0).T),  # [d, 2f]
-                w_down=np.ascontiguousarray(linear("down", d, f, i).T),  # [f, d]
-            )
-        )
+        if "qkv" in names:  # GPT-2: one fused [d, 3d] Conv1D
+            w_qkv = np.ascontiguousarray(take("qkv", (d, q_dim + 2 * kv_dim), i))
+            b_qkv = maybe(config.qkv_bias, "qkv_bias", (q_dim + 2 * kv_dim,), i)
+        else:
+            # three [d, out] blocks side by side -> [d, q_dim + 2 kv_dim]: one GEMM gives q, k and v
+            w_qkv = np.ascontiguousarray(np.concatenate(
+                [linear("q", d, q_dim, i), linear("k", d, kv_dim, i), linear("v", d, kv_dim, i)], axis=1))
+            b_qkv = (np.concatenate([take("q_bias", (q_dim,), i), take("k_bias", (kv_dim,), i),
+                                     take("v_bias", (kv_dim,), i)]) if config.qkv_bias else None)
+        gated = config.mlp == "gated"
+        if gated:
+            w_gate_up = np.ascontiguousarray(  # [d, 2f], row-major like every other [in, out] weight
+                np.concatenate([linear("gate", d, f, i), linear("up", d, f, i)], axis=1))
+            b_gate_up = (np.concatenate([take("gate_bias", (f,), i), take("up_bias", (f,), i)])
+                         if config.mlp_bias else None)
+        layernorm = config.norm == "layernorm"
+        layers.append(LayerWeights(
+            attn_norm=norm("attn_norm", d, i),
+            attn_norm_bias=maybe(layernorm, "attn_norm_bias", (d,), i),
+            w_qkv=w_qkv,
+            b_qkv=b_qkv,
+            q_norm=norm("q_norm", hd, i) if config.qk_norm else None,
+            k_norm=norm("k_norm", hd, i) if config.qk_norm else None,
+            w_o=np.ascontiguousarray(linear("o", q_dim, d, i)),  # [q_dim, d]
+            b_o=maybe(config.o_bias, "o_bias", (d,), i),
+            attn_post_norm=norm("attn_post_norm", d, i) if config.post_norms else None,
+            mlp_norm=norm("mlp_norm", d, i),
+            mlp_norm_bias=maybe(layernorm, "mlp_norm_bias", (d,), i),
+            w_gate_up=w_gate_up if gated else None,
+            b_gate_up=b_gate_up if gated else None,
+            w_up=None if gated else np.ascontiguousarray(linear("up", d, f, i)),  # [d, f]
+            b_up=None if gated else maybe(config.mlp_bias, "up_bias", (f,), i),
+            w_down=np.ascontiguousarray(linear("down", f, d, i)),  # [f, d]
+            b_down=maybe(config.mlp_bias, "down_bias", (d,), i),
+            mlp_post_norm=norm("mlp_post_norm", d, i) if config.post_norms else None,
+        ))
     embed = np.ascontiguousarray(take("embed_tokens", (vocab, d)))
     if config.tie_word_embeddings:
-        if names["lm_head"] in tensors:
-            used.add(names["lm_head"])  # some files carry the tied copy anyway; it equals embed
+        if (name := find("lm_head", None)) is not None:
+            used.add(name)  # some files carry the tied copy anyway; the model uses the embedding
         lm_head = embed.T  # tied head: a [d, vocab] view, no second copy
     else:
         lm_head = np.ascontiguousarray(take("lm_head", (vocab, d)).T)  # [d, vocab]
-    final_norm = take("final_norm", (d,))
+    learned = config.position_embedding == "learned"
+    pos_embed = take("pos_embed", (config.max_position_embeddings, d)) if learned else None
+    final_norm = norm("final_norm", d)
+    final_norm_bias = maybe(config.norm == "layernorm", "final_norm_bias", (d,))
     t2 = time.perf_counter()
     return Weights(
         embed_tokens=embed,
         layers=layers,
         final_norm=final_norm,
         lm_head=lm_head,
+        pos_embed=pos_embed,
+        final_norm_bias=final_norm_bias,
         stored_dtypes=counts,
         stored_bytes=nbytes,
         unused_tensors=sorted(set(tensors) - used),
         files=files,
-        seconds={"read": t1 - t0, "convert": t2 - t1},
+        seconds={"read": reading[0], "convert": t2 - t0 - reading[0]},
     )

@@ -105,13 +105,23 @@ def test_timeline_plot_has_a_bar_per_event(traced):
 
 
 # --- the diagnosis, each phase made slow on purpose ----------------------------------------------
+@pytest.fixture()
+def one_blas_thread():
+    """One BLAS thread: on a busy 2-core machine, two spinning OpenBLAS threads can make a forward
+    pass 50x slower and drown the injected delays; one thread keeps the phases' order honest."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
 def _diagnosis(model, prompt, **kwargs):
     tracer = Tracer()
     minillm.generate(model, prompt, GREEDY, tracer=tracer, **kwargs)
     return tracer.events[-1].data["diagnosis"]
 
 
-def test_slow_loading_is_diagnosed(monkeypatch):
+def test_slow_loading_is_diagnosed(monkeypatch, one_blas_thread):
     import minillm.loading
 
     real = minillm.loading.load_weights
@@ -127,7 +137,7 @@ def test_slow_loading_is_diagnosed(monkeypatch):
     assert d["phase_seconds"]["loading"] > 3.0
 
 
-def test_skipped_warmup_is_diagnosed():
+def test_skipped_warmup_is_diagnosed(one_blas_thread):
     model = minillm.load("smollm2-135m-instruct", progress=False, warmup=False)
     real = model.transformer.forward
     calls = []
@@ -143,14 +153,14 @@ def test_skipped_warmup_is_diagnosed():
     assert d["dominant"] == "warm-up" and d["findings"][0][1] == "first request slow"
 
 
-def test_long_prompt_is_diagnosed_as_prefill(smollm2):
+def test_long_prompt_is_diagnosed_as_prefill(smollm2, one_blas_thread):
     long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)  # ~600 tokens
     minillm.generate(smollm2, PROMPT, GREEDY, max_new_tokens=1)  # not the first request any more
     d = _diagnosis(smollm2, long_prompt, max_new_tokens=2)
     assert d["dominant"] == "prefill" and d["findings"][0][1] == "long input delays the first token"
 
 
-def test_slow_decode_is_diagnosed(smollm2, monkeypatch):
+def test_slow_decode_is_diagnosed(smollm2, monkeypatch, one_blas_thread):
     real = smollm2.transformer.forward
 
     def slow_decode(token_ids, *args, **kwargs):

@@ -1,0 +1,147 @@
+"""Safetensors files, read by hand: the header says where each tensor's bytes are; we map them.
+
+The format (https://github.com/huggingface/safetensors): 8 bytes little-endian header length ``n``,
+``n`` bytes of JSON (``{name: {"dtype", "shape", "data_offsets": [start, end]}}``, plus an optional
+``__metadata__``), then the raw little-endian data. Reading it ourselves (instead of
+``safetensors.numpy``) lets us read bfloat16, which NumPy has no dtype for: a bfloat16 is the top
+half of a float32, so ``uint32(word) << 16`` reinterpreted as float32 is its exact value.
+
+A model folder may hold one file or shards listed in ``model.safetensors.index.json``
+(:func:`weight_files`). ``weights.py`` turns the tensors into the model's layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import WeightsError
+
+_DTYPES = {  # safetensors dtype -> (NumPy dtype of the stored words, name shown in the trace)
+    "F32": (np.dtype("<f4"), "float32"),
+    "F16": (np.dtype("<f2"), "float16"),
+    "BF16": (np.dtype("<u2"), "bfloat16"),  # no NumPy bfloat16: keep the raw 16-bit words
+    "F64": (np.dtype("<f8"), "float64"),
+}
+
+
+@dataclass
+class StoredTensor:
+    """One tensor as a safetensors file holds it: where, what dtype, what shape. Read on demand."""
+
+    file: Path
+    dtype: str  # safetensors name: "F32", "BF16", ...
+    shape: tuple[int, ...]
+    data: np.ndarray | None  # the raw bytes (a read-only memory map), None for a dtype we cannot read
+
+    def to_float32(self) -> np.ndarray:
+        """The values as a float32 array of ``shape`` (a fresh copy, exact for every dtype we read).
+
+        Raises WeightsError for a dtype minillm does not read (integers, 8-bit floats, ...).
+        """
+        if self.data is None:
+            raise WeightsError(f"{self.file.name} stores this tensor as {self.dtype}; minillm reads "
+                               f"{', '.join(_DTYPES)}. Convert the checkpoint to one of those.")
+        words = self.data.view(_DTYPES[self.dtype][0]).reshape(self.shape)
+        if self.dtype == "BF16":
+            # bfloat16 = the high 16 bits of a float32: put them back there, exactly.
+            return (words.astype(np.uint32) << 16).view(np.float32)
+        return words.astype(np.float32)  # F32: a copy (so no array pins the file); F16/F64: exact/rounded
+
+
+def read_safetensors_header(file: Path) -> dict[str, StoredTensor]:
+    """Map one ``.safetensors`` file: ``{name: StoredTensor}``, no tensor data read yet.
+
+    The format: 8 bytes little-endian header length ``n``, ``n`` bytes of JSON (``{name: {"dtype",
+    "shape", "data_offsets": [start, end]}}``, plus ``__metadata__``), then the raw data.
+
+    Raises:
+        WeightsError: the file is truncated, the header is not valid JSON, or a tensor's byte
+            range is outside the file or does not match its shape and dtype.
+    """
+    def corrupt(why: str) -> WeightsError:
+        return WeightsError(f"cannot read {file}: {why}; the file is corrupt or truncated. Re-download it.")
+
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise corrupt(f"only {size} bytes")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise corrupt(f"the header claims {n:,} bytes but the file has {size:,}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise corrupt(f"the header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise corrupt("the header is not a JSON object")
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise corrupt(f"tensor {name!r} has a malformed entry {info!r}") from exc
+        if not 0 <= start <= end <= len(data):
+            raise corrupt(f"tensor {name!r} lies at bytes {start}..{end} of a {len(data):,}-byte data section")
+        known = _DTYPES.get(dtype)
+        if known is not None and (end - start) != int(np.prod(shape, dtype=np.int64)) * known[0].itemsize:
+            raise corrupt(f"tensor {name!r} has {end - start} bytes, not {shape} x {dtype}")
+        out[name] = StoredTensor(file, dtype, shape, data[start:end] if known is not None else None)
+    return out
+
+
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a model folder: the shards named by
+    ``model.safetensors.index.json`` if present, else every ``*.safetensors``.
+
+    Raises:
+        WeightsError: no safetensors file; only pickle files (``.bin``/``.pt``), which minillm
+            never loads because unpickling runs code; an index naming a missing shard or a path
+            outside the folder.
+    """
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise WeightsError(f"{index} is not a valid shard index ({exc}); re-download the model.") from exc
+        files = []
+        for name in shard_names:
+            path = (folder / name).resolve()
+            if folder.resolve() not in path.parents:
+                raise WeightsError(f"{index} names {name!r}, outside the model folder; refusing to read it.")
+            if not path.is_file():
+                raise WeightsError(f"{index} names shard {name!r}, which is missing from {folder}; re-download it.")
+            files.append(path)
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        if pickles:
+            raise WeightsError(
+                f"{folder} has only pickle weights ({', '.join(pickles)}); minillm never unpickles "
+                "(it can run code). Convert them to safetensors or download the safetensors files."
+            )
+        raise WeightsError(f"no *.safetensors weights in {folder}; download the model's weights.")
+    return files
+
+
+def dtype_name(dtype: str) -> str:
+    """The trace's name for a safetensors dtype: ``BF16`` -> ``bfloat16``."""
+    return _DTYPES[dtype][1] if dtype in _DTYPES else dtype.lower()
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a safetensors dtype."""
+    if dtype in _DTYPES:
+        return _DTYPES[dtype][0].itemsize
+    return {"I64": 8, "U64": 8, "F64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2}.get(dtype, 1)
