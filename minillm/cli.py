@@ -56,6 +56,11 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
                    help="also write the trace events as JSON lines to PATH")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="BLAS threads for the matrix multiplies (threadpoolctl; default: all cores)")
+    p.add_argument("--adapter", action="append", default=None, metavar="PATH",
+                   help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors); repeatable")
+    p.add_argument("--adapter-mode", choices=("merged", "unmerged"), default="merged",
+                   help="merged: folded into the weights at load (default, no cost per token); "
+                        "unmerged: the low-rank path computed in every forward")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up request (the first request then pays one-time costs)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -140,7 +145,8 @@ def _run_request(args: argparse.Namespace, console: Console, params) -> int:
     from .trace import Tracer
 
     tracer = Tracer(console if args.trace == "rich" else None, verbosity=args.verbosity)
-    model = lifecycle.load(args.model, tracer=tracer, warmup=not args.no_warmup)
+    model = lifecycle.load(args.model, tracer=tracer, warmup=not args.no_warmup, adapters=args.adapter,
+                           merge_adapters=args.adapter_mode == "merged")
     if args.command == "chat":
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt: str | list = messages + [{"role": "user", "content": args.prompt}]

@@ -185,8 +185,11 @@ class ModelConfig:
                 ``head_dim`` is given, kv heads not dividing heads), or a variant minillm does not
                 implement (a RoPE scaling type, an activation, bidirectional attention...).
         """
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object of fields, got {type(raw).__name__}; "
+                              "re-download config.json.")
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_FAMILIES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_FAMILIES:
             families = ", ".join(f"{k} ({v[0]})" for k, v in SUPPORTED_FAMILIES.items())
             hint = (" This is the multimodal Gemma 3 config; minillm runs the text-only model "
                     "(Gemma3ForCausalLM, model_type gemma3_text)." if model_type == "gemma3" else "")
@@ -205,10 +208,22 @@ class ModelConfig:
                 raise ConfigError(f"{source}: required field {name!r} is missing; add it to config.json.")
             return raw[name]
 
-        hidden = int(need("hidden_size"))
-        n_heads = int(need("num_attention_heads"))
-        n_layers = int(need("num_hidden_layers"))
-        n_kv = int(raw.get("num_key_value_heads") or n_heads)
+        def size(name: str, value: Any) -> int:
+            # A size must be a whole number >= 1; 0 or "64" would fail later as ZeroDivisionError.
+            whole = (isinstance(value, int) and not isinstance(value, bool)) or (
+                isinstance(value, float) and value.is_integer())
+            if not whole or value < 1:
+                raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}; fix config.json.")
+            return int(value)
+
+        hidden = size("hidden_size", need("hidden_size"))
+        n_heads = size("num_attention_heads", need("num_attention_heads"))
+        n_layers = size("num_hidden_layers", need("num_hidden_layers"))
+        n_kv = size("num_key_value_heads", raw.get("num_key_value_heads") or n_heads)
+        size("vocab_size", need("vocab_size"))
+        for name in ("intermediate_size", "max_position_embeddings", "n_inner", "head_dim"):
+            if raw.get(name) is not None:
+                size(name, raw[name])
         head_dim = raw.get("head_dim") or {"qwen3": 128, "gemma3": 256}.get(family)
         if head_dim is None:
             if hidden % n_heads:
@@ -257,7 +272,7 @@ class ModelConfig:
             )
         try:
             raw = json.loads(file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{file} is not valid JSON ({exc}); re-download the model.") from exc
         return cls.from_dict(raw, source=str(file))
 

@@ -72,3 +72,8 @@ class InvalidRequestError(MiniLLMError):
 
 class SamplingParamsError(InvalidRequestError):
     """A sampling value is out of its allowed range (the message names value and range)."""
+
+
+# --- LoRA adapters -----------------------------------------------------------------------------
+class AdapterError(MiniLLMError):
+    """A LoRA adapter folder is missing files, uses an unsupported variant, or does not fit the model."""

@@ -226,6 +226,19 @@ def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndar
     return y
 
 
+def project(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, lora=None) -> np.ndarray:
+    """A projection with its unmerged LoRA adapters: ``x @ w (+ b) + scaling * (x @ A^T) @ B^T``.
+
+    ``lora`` lists ``lora.LoraDelta`` s (``a`` ``[in, r]``, ``b`` ``[r, cols]``), each adding its
+    low-rank path to its own columns of ``w`` (q, k or v of a fused ``w_qkv``). None or empty: plain
+    :func:`linear`. Two thin products per adapter, never the ``[in, out]`` product ``A^T B^T``.
+    """
+    y = linear(x, w, b)  # [seq, out]
+    for d in lora or ():
+        y[:, d.cols] += np.float32(d.scaling) * ((x @ d.a) @ d.b)  # [seq, r] @ [r, cols] -> [seq, cols]
+    return y
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     """SiLU / swish: ``x * sigmoid(x)``.
 
@@ -249,22 +262,26 @@ ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"silu": silu, "gel
 
 def gated_mlp(
     x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, act: Callable[[np.ndarray], np.ndarray],
-    b_gate_up: np.ndarray | None = None, b_down: np.ndarray | None = None,
+    b_gate_up: np.ndarray | None = None, b_down: np.ndarray | None = None, lora: dict | None = None,
 ) -> np.ndarray:
     """Gated MLP (Shazeer 2020): ``down(act(gate(x)) * up(x))``; SwiGLU with SiLU, GeGLU with GELU.
 
     ``x`` ``[seq, d_model]``, ``w_gate_up`` ``[d_model, 2 * ffn]`` (gate | up), ``w_down``
     ``[ffn, d_model]``, optional biases ``[2 * ffn]`` and ``[d_model]``; returns ``[seq, d_model]``.
+    ``lora``: unmerged adapters by weight name (``LayerWeights.lora``), see :func:`project`.
     """
-    gate_up = linear(x, w_gate_up, b_gate_up)  # [seq, 2 * ffn]
+    lora = lora or {}
+    gate_up = project(x, w_gate_up, b_gate_up, lora.get("w_gate_up"))  # [seq, 2 * ffn]
     ffn = w_down.shape[0]
     gate, up = gate_up[:, :ffn], gate_up[:, ffn:]  # each [seq, ffn]
-    return linear(act(gate) * up, w_down, b_down)  # [seq, d_model]
+    return project(act(gate) * up, w_down, b_down, lora.get("w_down"))  # [seq, d_model]
 
 
 def plain_mlp(
     x: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, act: Callable[[np.ndarray], np.ndarray],
-    b_up: np.ndarray | None = None, b_down: np.ndarray | None = None,
+    b_up: np.ndarray | None = None, b_down: np.ndarray | None = None, lora: dict | None = None,
 ) -> np.ndarray:
     """GPT-2's MLP: ``down(act(up(x)))``: ``w_up`` ``[d_model, ffn]``, ``w_down`` ``[ffn, d_model]``."""
-    return linear(act(linear(x, w_up, b_up)), w_down, b_down)  # [seq, ffn] -> [seq, d_model]
+    lora = lora or {}
+    h = act(project(x, w_up, b_up, lora.get("w_up")))  # [seq, ffn]
+    return project(h, w_down, b_down, lora.get("w_down"))  # [seq, d_model]

@@ -16,7 +16,9 @@ import numpy as np
 
 from .config import ModelConfig
 from .hub import ResolvedModel, resolve_model
+from .errors import AdapterError
 from .kv_cache import KVCache
+from .lora import LoraAdapter, activate, load_adapter, merge
 from .model import Transformer
 from .tokenizer import Tokenizer
 from .trace import Tracer
@@ -39,11 +41,38 @@ class Model:
     load_seconds: dict[str, float] = field(default_factory=dict)  # per step, seconds
     warmup_s: float | None = None  # seconds the warm-up took; None while none has run
     requests_served: int = 0  # real requests since load (the warm-up is not counted)
+    adapters: list[LoraAdapter] = field(default_factory=list)  # LoRA adapters loaded with the model
 
     @property
     def load_s(self) -> float:
         """Total load time in seconds (resolve + read + layout + tokenizer + allocate)."""
         return sum(self.load_seconds.values())
+
+    @property
+    def active_adapters(self) -> list[str]:
+        """Names of the LoRA adapters the forward applies (merged ones always)."""
+        active = {id(d) for layer in self.transformer.weights.layers for ds in layer.lora.values() for d in ds}
+        return [a.name for a in self.adapters
+                if a.mode == "merged" or any(id(d) in active for d in a.deltas)]
+
+    def set_active_adapters(self, names: list[str]) -> None:
+        """Choose which unmerged LoRA adapters the next requests use (``[]``: the base model).
+
+        Adapters loaded with ``merge_adapters=False`` stay beside the weights, so switching costs
+        nothing; merged adapters are part of the weights and cannot be switched off.
+
+        Raises:
+            AdapterError: a name that was not loaded, or a merged adapter.
+        """
+        by_name = {a.name: a for a in self.adapters}
+        for name in names:
+            if name not in by_name:
+                raise AdapterError(f"no adapter named {name!r}; loaded: {sorted(by_name) or 'none'}. "
+                                   "Pass adapters=[path, ...] to minillm.load.")
+        if any(a.mode == "merged" for a in self.adapters):
+            raise AdapterError("the adapters were merged into the weights at load; reload with "
+                               "merge_adapters=False to switch adapters per request.")
+        activate([by_name[n] for n in names], self.transformer.weights)
 
     @property
     def ready(self) -> bool:
@@ -52,7 +81,8 @@ class Model:
 
 
 def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None = None,
-         progress: bool = True, warmup: bool = True) -> Model:
+         progress: bool = True, warmup: bool = True, adapters: list[str | os.PathLike] | None = None,
+         merge_adapters: bool = True) -> Model:
     """Load a model by manifest name (fetched and cached on first use) or from a local folder.
 
     Args:
@@ -60,10 +90,14 @@ def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None
             ``config.json``, ``*.safetensors``, ``tokenizer.json``. None: the manifest's default.
         progress: show rich progress bars while fetching or converting.
         warmup: run :func:`warmup` before returning ("ready" only after it).
+        adapters: PEFT LoRA adapter folders to apply to every request (``lora.py``).
+        merge_adapters: True: fold them into the weights (no cost per token); False: keep them
+            apart, computed in the forward, switchable with ``Model.set_active_adapters``.
 
     Raises:
         ModelNotFoundError, DownloadError, ChecksumMismatchError: while resolving the model.
         ConfigError, WeightsError, TokenizerError: while reading the folder.
+        AdapterError: an adapter is missing files, unsupported, or does not fit the model.
     """
     from .manifest import default_model_name
 
@@ -75,6 +109,8 @@ def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None
     config = ModelConfig.from_folder(resolved.path)
     weights = load_weights(resolved.path, config)
     t2 = time.perf_counter()
+    loaded = _load_adapters(adapters or [], merge_adapters, config, weights, resolved)
+    ta = time.perf_counter()
     tokenizer = Tokenizer.from_folder(resolved.path)
     t3 = time.perf_counter()
     transformer = Transformer(config, weights)
@@ -83,12 +119,15 @@ def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None
     # reading the weights, laying them out, the tokenizer, and allocating the model's tables.
     fetch_steps = {k: v for k, v in resolved.seconds.items() if k not in ("total", "resolve")}
     seconds = {"resolve": max(0.0, (t1 - t0) - sum(fetch_steps.values())), **fetch_steps}
-    seconds.update({"config + weights": t2 - t1, "tokenizer": t3 - t2, "allocate": t4 - t3})
-    model = Model(resolved.name, resolved.path, config, tokenizer, transformer, resolved, seconds)
+    seconds.update({"config + weights": t2 - t1, "tokenizer": t3 - ta, "allocate": t4 - t3})
+    if loaded:
+        seconds["adapters"] = ta - t2
+    model = Model(resolved.name, resolved.path, config, tokenizer, transformer, resolved, seconds, adapters=loaded)
     if tracer:
         tracer.emit(
             "load", start, t4 - t0, name=resolved.name, source=resolved.source, path=str(resolved.path),
-            notes=list(resolved.notes), config=config.summary(), seconds=seconds, blas=blas_summary(),
+            notes=list(resolved.notes) + [n for a in loaded for n in a.notes], config=config.summary(),
+            seconds=seconds, blas=blas_summary(), adapters=[a.summary() for a in loaded],
             weights={"parameters": weights.num_parameters, "bytes_loaded": weights.nbytes,
                      "stored": dict(weights.stored_dtypes), "bytes_stored": dict(weights.stored_bytes),
                      "unused": weights.unused_tensors, "seconds": dict(weights.seconds)},
@@ -100,6 +139,33 @@ def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None
     if warmup:
         run_warmup(model, tracer=tracer)
     return model
+
+
+def _load_adapters(paths, merge_them: bool, config: ModelConfig, weights, resolved: ResolvedModel) -> list[LoraAdapter]:
+    """Read each LoRA adapter, check it against the model, then merge it or make it active."""
+    from .manifest import load_manifest
+
+    names: tuple = (resolved.name, resolved.path.name)
+    try:
+        entry = load_manifest().get(resolved.name)
+        if entry is not None and entry.hub is not None:
+            names += (entry.hub.repo,)  # e.g. HuggingFaceTB/SmolLM2-135M-Instruct
+    except Exception:  # the manifest only adds a name to compare; never fail a load over it
+        pass
+    loaded = []
+    for path in paths:
+        adapter = load_adapter(path, config, weights, model_names=names)
+        if adapter.name in {a.name for a in loaded}:
+            adapter.name = f"{adapter.name}-{len(loaded)}"
+        loaded.append(adapter)
+    for adapter in loaded:
+        t = time.perf_counter()
+        if merge_them:
+            merge(adapter, weights)
+            adapter.seconds += time.perf_counter() - t
+    if loaded and not merge_them:
+        activate(loaded, weights)
+    return loaded
 
 
 def blas_summary() -> list[str]:

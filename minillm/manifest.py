@@ -259,6 +259,12 @@ def _parse_hub(t: _Table) -> HubSource:
     files = t.strings("files")
     if not files:
         raise t.fail("files", "is empty; list the files minillm needs (config.json, ...)")
+    for f in files:  # each is written to <model folder>/<f>: it must stay inside that folder
+        parts = f.replace("\\", "/").split("/")
+        if f.startswith(("/", "\\", "~")) or ":" in parts[0] or ".." in parts or "" in parts:
+            raise t.fail("files", f"lists {f!r}, which is not a plain path inside the model folder "
+                                  "(no absolute paths, no '..'); name files as the hub repo does, "
+                                  "e.g. 'config.json' or 'onnx/model.onnx'")
     sums = _Table(t.file, f"{t.where}.sha256", t.get("sha256", dict, {}))
     sha256 = {f: sums.get(f, str, hex64=True) for f in sums.data}
     extra = sorted(set(sha256) - set(files))

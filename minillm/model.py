@@ -9,7 +9,7 @@ Every family runs through the same lines; where one differs, a ``ModelConfig`` f
 
     x = embed(ids) [* sqrt(d_model): Gemma] [+ learned positions: GPT-2]
     per layer:  h = norm(x)                          RMSNorm | LayerNorm (GPT-2)
-                q, k, v = h @ W_qkv [+ b_qkv]         biases: GPT-2, Qwen 2
+                q, k, v = h @ W_qkv [+ b_qkv]         biases: GPT-2, Qwen 2; + LoRA paths (unmerged)
                 q, k = norm(q), norm(k)               QK-norm: Qwen 3, Gemma 3
                 q, k = RoPE(q), RoPE(k)               not GPT-2; Gemma's sliding layers: own base
                 z = attention(q, K, V, mask)          causal | sliding-window mask
@@ -75,8 +75,8 @@ class Transformer:
     def mlp(self, h: np.ndarray, layer) -> np.ndarray:
         """The family's MLP on ``[seq, d_model]``: gated (SwiGLU, GeGLU) or GPT-2's plain one."""
         if layer.w_gate_up is not None:
-            return L.gated_mlp(h, layer.w_gate_up, layer.w_down, self.act, layer.b_gate_up, layer.b_down)
-        return L.plain_mlp(h, layer.w_up, layer.w_down, self.act, layer.b_up, layer.b_down)
+            return L.gated_mlp(h, layer.w_gate_up, layer.w_down, self.act, layer.b_gate_up, layer.b_down, layer.lora)
+        return L.plain_mlp(h, layer.w_up, layer.w_down, self.act, layer.b_up, layer.b_down, layer.lora)
 
     def masks(self, seq: int, start: int) -> dict[str, np.ndarray]:
         """The additive mask ``[seq, start + seq]`` per layer kind present in this model."""
@@ -136,7 +136,7 @@ class Transformer:
             kind = self.layer_types[i]
             # --- attention sub-block: x + W_o · attention(RoPE(q), RoPE(k), v) ---
             h = self.norm(x, layer.attn_norm, layer.attn_norm_bias)  # [seq, d_model]
-            qkv = L.linear(h, layer.w_qkv, layer.b_qkv)  # [seq, q_dim + 2 kv_dim]
+            qkv = L.project(h, layer.w_qkv, layer.b_qkv, layer.lora.get("w_qkv"))  # [seq, q_dim + 2 kv_dim]
             q, k, v = np.split(qkv, [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=-1)
             q = q.reshape(seq, n_heads, hd).transpose(1, 0, 2)  # [n_heads, seq, head_dim]
             k = k.reshape(seq, n_kv, hd).transpose(1, 0, 2)  # [n_kv_heads, seq, head_dim]
@@ -154,7 +154,8 @@ class Transformer:
             else:
                 keys, values = rot_k, v
             z, pattern = L.attention(rot_q, keys, values, masks[kind], cfg.attn_scale)  # [n_heads, seq, head_dim]
-            attn_out = L.linear(z.transpose(1, 0, 2).reshape(seq, cfg.q_dim), layer.w_o, layer.b_o)  # [seq, d_model]
+            z_flat = z.transpose(1, 0, 2).reshape(seq, cfg.q_dim)  # [seq, q_dim]
+            attn_out = L.project(z_flat, layer.w_o, layer.b_o, layer.lora.get("w_o"))  # [seq, d_model]
             if layer.attn_post_norm is not None:  # Gemma: normalise what attention adds
                 attn_out = self.norm(attn_out, layer.attn_post_norm)
             resid_mid = x + attn_out

@@ -102,6 +102,14 @@ class Renderer:
         t = d["tokenizer"]
         c.print(_kv_table("tokenizer", [("vocab", f"{t['vocab_size']:,}"), ("special", t["special"]),
                                          ("eos ids", t["eos_ids"])]))
+        for a in d.get("adapters", []):  # LoRA: W' = W + scaling * (B A)^T, merged or computed apart
+            c.print(_kv_table(f"LoRA adapter {a['name']} ({a['mode']})", [
+                ("rank, alpha", f"r={a['rank']}, alpha={a['alpha']:g}"),
+                ("scaling", f"{a['scaling']:.4g} (alpha / {'sqrt(r), rsLoRA' if a['rslora'] else 'r'})"),
+                ("targets", f"{', '.join(a['targets'])} in {a['layers']} layers ({a['modules']} modules)"),
+                ("adds", f"{a['parameters']:,} params, {format_bytes(a['bytes'])}"
+                         + (" (folded into the weights)" if a["mode"] == "merged" else " (kept beside the weights)")),
+                ("load", f"{a['seconds']:.2f} s")]))
         c.print("seconds per step: " + ", ".join(f"{k} {v:.2f}" for k, v in d["seconds"].items()))
         for blas in d.get("blas", []):
             c.print(f"BLAS: {escape(blas)}")

@@ -86,10 +86,12 @@ def read_safetensors_header(file: Path) -> dict[str, StoredTensor]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (start, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            if not all(type(v) is int and v >= 0 for v in (*shape, start, end)) or not isinstance(dtype, str):
+                raise ValueError("shape and data_offsets must be whole numbers >= 0")
         except (KeyError, TypeError, ValueError) as exc:
             raise corrupt(f"tensor {name!r} has a malformed entry {info!r}") from exc
-        if not 0 <= start <= end <= len(data):
+        if not start <= end <= len(data):
             raise corrupt(f"tensor {name!r} lies at bytes {start}..{end} of a {len(data):,}-byte data section")
         known = _DTYPES.get(dtype)
         if known is not None and (end - start) != int(np.prod(shape, dtype=np.int64)) * known[0].itemsize:
@@ -111,14 +113,21 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as exc:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError('"weight_map" must map tensor names to shard file names')
+            shard_names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
             raise WeightsError(f"{index} is not a valid shard index ({exc}); re-download the model.") from exc
         files = []
         for name in shard_names:
-            path = (folder / name).resolve()
-            if folder.resolve() not in path.parents:
-                raise WeightsError(f"{index} names {name!r}, outside the model folder; refusing to read it.")
+            # A shard is a file *in* this folder: no absolute path, no '..' (symlinks the folder
+            # itself holds, as in a Hugging Face cache snapshot, are the folder's own business).
+            parts = name.replace("\\", "/").split("/")
+            if not name or name.startswith(("/", "\\")) or ":" in parts[0] or ".." in parts:
+                raise WeightsError(f"{index} names shard {name!r}, a path outside the model folder {folder}; "
+                                   "refusing to read it. A shard index may only name files inside the folder.")
+            path = folder / name
             if not path.is_file():
                 raise WeightsError(f"{index} names shard {name!r}, which is missing from {folder}; re-download it.")
             files.append(path)
@@ -131,7 +140,8 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
                 f"{folder} has only pickle weights ({', '.join(pickles)}); minillm never unpickles "
                 "(it can run code). Convert them to safetensors or download the safetensors files."
             )
-        raise WeightsError(f"no *.safetensors weights in {folder}; download the model's weights.")
+        raise WeightsError(f"no *.safetensors weights in {folder}; download the model's weights "
+                           "(model.safetensors, or the shards and model.safetensors.index.json).")
     return files
 
 

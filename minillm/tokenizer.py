@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -98,6 +99,25 @@ def _uses(node: Any, kind: str) -> bool:
     if isinstance(node, list):
         return any(_uses(v, kind) for v in node)
     return False
+
+
+class ChatText(str):
+    """Rendered chat text that remembers where the *messages* put special-token text.
+
+    A user who types ``<|im_end|>`` into a message must not end the turn: that would let any
+    text a user types steer the model with control tokens (prompt injection). So
+    :meth:`Tokenizer.apply_chat_template` records the character spans of special-token text that
+    came from message contents, and :meth:`Tokenizer.encode` keeps those as ordinary text. Only
+    the template's own markers become control tokens. It is a ``str`` in every other way (slicing
+    or concatenating gives a plain ``str``, which forgets the spans).
+    """
+
+    typed_special_spans: tuple[tuple[int, int], ...]
+
+    def __new__(cls, text: str, spans=()):
+        obj = super().__new__(cls, text)
+        obj.typed_special_spans = tuple(spans)
+        return obj
 
 
 # --- the chat-template sandbox ----------------------------------------------------------------
@@ -214,6 +234,12 @@ class Tokenizer:
                 special.add(i)
         self.special_token_ids: frozenset[int] = frozenset(special)
 
+        # Special added tokens: the tokenizer cuts these out of any text before BPE runs. Their
+        # text inside a chat message is what the message sandboxing below keeps ordinary.
+        texts = sorted({t.content for t in self._added.values() if t.special and t.content}, key=len, reverse=True)
+        self._special_texts = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._backend_special_ids = frozenset(i for i, t in self._added.items() if t.special)
+
         spec = json.loads(backend.to_str())
         self._byte_level = _uses(spec.get("decoder"), "ByteLevel") or _uses(spec.get("pre_tokenizer"), "ByteLevel")
 
@@ -270,12 +296,57 @@ class Tokenizer:
         ``add_special_tokens`` runs the tokenizer's post-processor (which may prepend BOS, e.g.
         Llama 3, Gemma); rendered chat text already contains its specials, so pass False there
         (or use :meth:`encode_chat`). Special-token text such as ``<|im_end|>`` inside ``text``
-        becomes the special id, as in transformers.
+        becomes the special id, as in transformers, except in a :class:`ChatText` from
+        :meth:`apply_chat_template`: there, special-token text that came from a message stays
+        ordinary text (see :meth:`_encode_keeping_typed_text`).
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode() takes a string, got {type(text).__name__}; for chat messages use encode_chat()")
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        ids = encoding.ids
+        if isinstance(text, ChatText) and text.typed_special_spans:
+            ids = self._encode_keeping_typed_text(text, encoding)
         return np.asarray(ids, dtype=np.int64)  # [seq]
+
+    @cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that reads special-token text as ordinary text (``<|`` ``im`` ...)."""
+        plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def _encode_keeping_typed_text(self, text: "ChatText", encoding) -> list[int]:
+        """Re-encode, as plain text, each stretch between two of the template's own special tokens
+        that holds special-token text typed into a message.
+
+        The template's markers stay the boundaries, so every other token is the one a plain
+        ``encode`` gives; inside a re-encoded stretch a typed ``<|im_end|>`` becomes ordinary
+        pieces (``<``, ``|``, ``im``, ``_``, ``end`` ... in SmolLM2).
+        """
+        ids, offsets, spans = encoding.ids, encoding.offsets, text.typed_special_spans
+
+        def typed(k: int) -> bool:  # a special id whose characters a message typed
+            start, end = offsets[k]
+            return ids[k] in self._backend_special_ids and any(start < e and s < end for s, e in spans)
+
+        boundary = [ids[k] in self._backend_special_ids and not typed(k) for k in range(len(ids))]
+        out: list[int] = []
+        k = 0
+        while k < len(ids):
+            if boundary[k]:  # the template's own marker (or the post-processor's BOS): kept
+                out.append(ids[k])
+                k += 1
+                continue
+            first = k
+            while k < len(ids) and not boundary[k]:
+                k += 1
+            if not any(typed(j) for j in range(first, k)):
+                out.extend(ids[first:k])
+                continue
+            start = offsets[first - 1][1] if first > 0 else 0
+            end = offsets[k][0] if k < len(ids) else len(text)
+            out.extend(self._plain_backend.encode(str(text)[start:end], add_special_tokens=False).ids)
+        return out
 
     def decode(self, ids, *, skip_special_tokens: bool = True) -> str:
         """Ids (any int sequence or array) -> text. Special tokens dropped unless asked for.
@@ -322,12 +393,20 @@ class Tokenizer:
     def _template(self) -> jinja2.Template:
         return _compile_template(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            allow_special_tokens_in_messages: bool = False) -> ChatText:
         """Render messages with the model's chat template (sandboxed), like transformers'
         ``apply_chat_template(messages, tokenize=False)``.
 
         ``messages``: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]``.
         ``add_generation_prompt`` appends the header that opens the assistant's turn.
+
+        Special-token text inside a message (a user typing ``<|im_end|>``) is shown as typed but
+        encodes as ordinary text: the result is a :class:`ChatText` that remembers where it is.
+        (While rendering, the template sees a private placeholder there, so a typed marker cannot
+        change its branches either.) ``allow_special_tokens_in_messages=True`` renders the text
+        as given and lets it become control tokens, as transformers does.
+
         Raises ChatTemplateError: no template, malformed message, template error or refusal
         (``raise_exception``), or a template that tries to reach Python internals.
         """
@@ -337,9 +416,18 @@ class Tokenizer:
                 "use completion mode: pass plain text instead of messages"
             )
         messages = _validate_messages(messages)
+        typed: list[str] = []  # special-token text found in the messages, in order
+        marker = f"\ue000{secrets.token_hex(4)}."  # private-use characters + a nonce: never typed
+        if not allow_special_tokens_in_messages and self._special_texts is not None:
+            def hide(match: re.Match) -> str:
+                typed.append(match.group(0))
+                return f"{marker}{len(typed) - 1}\ue001"
+
+            messages = [{k: self._special_texts.sub(hide, v) if k != "role" and isinstance(v, str) else v
+                         for k, v in m.items()} for m in messages]
         variables = {**self.special_tokens, "tools": None, "documents": None}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except ChatTemplateError:
             raise
         except jinja2.exceptions.SecurityError as exc:
@@ -352,12 +440,29 @@ class Tokenizer:
                 f"the chat template failed to render: {type(exc).__name__}: {exc}; "
                 "check the messages against what this model's template expects"
             ) from exc
+        if not typed:
+            return ChatText(text)
+        # Put the typed text back where its placeholders landed, remembering each span.
+        pieces, spans, length, pos = [], [], 0, 0
+        for m in re.finditer(re.escape(marker) + r"(\d+)\ue001", text):
+            pieces.append(text[pos:m.start()])
+            length += m.start() - pos
+            original = typed[int(m.group(1))]
+            pieces.append(original)
+            spans.append((length, length + len(original)))
+            length += len(original)
+            pos = m.end()
+        pieces.append(text[pos:])
+        return ChatText("".join(pieces), spans)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> np.ndarray:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    allow_special_tokens_in_messages: bool = False) -> np.ndarray:
         """Render then encode with ``add_special_tokens=False``, ``int64 [seq]``.
 
         The rendered text already holds the BOS / turn markers; letting the post-processor add
-        another BOS would give the model a sequence it never saw in training.
+        another BOS would give the model a sequence it never saw in training. Special-token text
+        typed into a message stays ordinary text unless ``allow_special_tokens_in_messages``.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        allow_special_tokens_in_messages=allow_special_tokens_in_messages)
         return self.encode(text, add_special_tokens=False)

@@ -57,11 +57,13 @@ class LayerWeights:
     k_norm: np.ndarray | None = None  # [head_dim]
     attn_post_norm: np.ndarray | None = None  # [d] (Gemma 3: post_attention_layernorm)
     mlp_post_norm: np.ndarray | None = None  # [d] (Gemma 3: post_feedforward_layernorm)
+    # Unmerged LoRA adapters (lora.py): projection field ("w_qkv", ...) -> its active LoraDeltas.
+    lora: dict[str, list] = field(default_factory=dict)
 
     def arrays(self):
-        """Yield every parameter array of the block (skipping the absent ones)."""
+        """Yield every parameter array of the block (skipping the absent ones; adapters not counted)."""
         for f in fields(self):
-            if (a := getattr(self, f.name)) is not None:
+            if isinstance(a := getattr(self, f.name), np.ndarray):
                 yield a
 
     def projections(self):

@@ -1,0 +1,322 @@
+"""LoRA adapters (Hu et al. 2021) in PEFT's format: read, check, then merge or keep apart.
+
+A LoRA adapter changes a frozen projection ``W`` by a low-rank product. PEFT writes it as two small
+``nn.Linear`` weights per targeted module: ``A`` ``[r, in]`` and ``B`` ``[out, r]``, with
+``scaling = lora_alpha / r`` (rsLoRA: ``lora_alpha / sqrt(r)``). In HF's ``[out, in]`` layout the
+adapted weight is ``W + scaling * B @ A``; minillm stores weights pre-transposed ``[in, out]``, so
+here it is::
+
+    W' = W + scaling * (B A)^T = W + scaling * A^T B^T        # [in, r] @ [r, out] -> [in, out]
+    y  = x W' = x W + scaling * (x A^T) B^T                  # the same, never forming the product
+
+Two ways to run it, chosen at load (``minillm.load(..., adapters=[path], merge_adapters=...)``):
+
+- **merged**: add ``scaling * A^T B^T`` into ``W`` once. Zero cost per token; the base weights are
+  gone, so the adapter cannot be switched off.
+- **unmerged**: keep ``A^T`` and ``B^T`` beside ``W``; ``layers.project`` adds the low-rank path in
+  the forward, ``(x A^T) B^T``: two thin matrix products per projection. Costs a little per
+  token, and ``Model.set_active_adapters`` switches adapters per request.
+
+minillm fuses q|k|v into ``w_qkv`` and gate|up into ``w_gate_up``, so a ``q_proj`` adapter adds to
+the first ``q_dim`` columns of ``w_qkv``, a ``v_proj`` adapter to the last ``kv_dim``: each
+:class:`LoraDelta` carries its column slice. GPT-2's ``c_attn`` is already fused, so its adapter
+spans all of ``w_qkv``. PEFT saves ``A`` and ``B`` as ``nn.Linear`` weights even for GPT-2's
+``Conv1D`` modules (``fan_in_fan_out=True`` only tells PEFT to transpose the product when it
+merges into a Conv1D ``[in, out]`` weight), and minillm's weights are ``[in, out]`` for every family,
+so the formula above holds for both settings.
+
+Supported: ``peft_type: LORA`` on the attention and MLP projections, any rank (also per module via
+``rank_pattern``), rsLoRA. Refused with :class:`~minillm.errors.AdapterError`: DoRA, other adapter
+types, adapters on embeddings or the head, trained biases, ``alpha_pattern``, ``modules_to_save``
+with tensors in the file, and the other PEFT variants listed in :data:`_REFUSED`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import AdapterError, WeightsError
+from .safetensors_file import read_safetensors_header
+from .weights import NAME_MAPS, Weights, _OPTIONAL_PREFIX
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PEFT's wrapper around the HF model, in every saved name
+
+# Config fields of PEFT variants minillm does not run: a truthy value is refused, with the reason.
+_REFUSED = {
+    "use_dora": "DoRA (weight-decomposed LoRA) rescales each column of W' by a learned magnitude",
+    "use_qalora": "QA-LoRA pools the input in groups before A",
+    "use_bdlora": "BD-LoRA uses block-diagonal factors",
+    "lora_bias": "the adapter trains a bias for B",
+    "alpha_pattern": "alpha_pattern gives some modules their own lora_alpha",
+    "layer_replication": "layer_replication duplicates decoder layers",
+    "target_parameters": "target_parameters adapts raw parameters, not modules",
+    "trainable_token_indices": "trainable_token_indices changes rows of the embedding",
+    "alora_invocation_tokens": "activated LoRA switches on at invocation tokens",
+    "megatron_config": "Megatron-parallel layers",
+}
+
+
+@dataclass
+class LoraDelta:
+    """One module's low-rank update, in minillm's ``[in, out]`` layout.
+
+    ``a`` ``[in, r]`` is PEFT's ``A`` transposed, ``b`` ``[r, cols]`` its ``B`` transposed; it adds
+    ``scaling * (x @ a) @ b`` to columns ``cols`` of the fused projection ``weight``.
+    """
+
+    module: str  # PEFT's module name, e.g. "model.layers.3.self_attn.q_proj"
+    layer: int
+    weight: str  # LayerWeights field: "w_qkv", "w_o", "w_gate_up", "w_up", "w_down"
+    cols: slice  # columns of that weight this module owns (q, k or v of w_qkv; gate or up)
+    a: np.ndarray  # [in, r]
+    b: np.ndarray  # [r, cols]
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[1]
+
+    def product(self) -> np.ndarray:
+        """``scaling * A^T B^T``: ``[in, cols]``, what merging adds to ``weight[:, cols]``."""
+        return np.float32(self.scaling) * (self.a @ self.b)
+
+
+@dataclass
+class LoraAdapter:
+    """A PEFT LoRA adapter read from a folder, checked against one model, ready to merge or run."""
+
+    name: str
+    path: Path
+    rank: int  # the config's r (a module's own rank is ``delta.rank``)
+    alpha: float
+    use_rslora: bool
+    scaling: float  # alpha / r, or alpha / sqrt(r) with rsLoRA
+    targets: list[str]  # module kinds, e.g. ["q_proj", "v_proj"]
+    deltas: list[LoraDelta]
+    base_model: str | None  # adapter_config.json's base_model_name_or_path
+    fan_in_fan_out: bool = False
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    mode: str = "unmerged"  # "merged" once merge() ran
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(d.a.size + d.b.size for d in self.deltas)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.a.nbytes + d.b.nbytes for d in self.deltas)
+
+    def summary(self) -> dict:
+        """The trace's view of the adapter (plain data)."""
+        return {"name": self.name, "path": str(self.path), "rank": self.rank, "alpha": self.alpha,
+                "rslora": self.use_rslora, "scaling": self.scaling, "targets": self.targets,
+                "layers": len({d.layer for d in self.deltas}), "modules": len(self.deltas),
+                "parameters": self.num_parameters, "bytes": self.nbytes, "mode": self.mode,
+                "base_model": self.base_model, "seconds": self.seconds, "notes": list(self.notes)}
+
+
+# --- where each PEFT module lands in minillm's layout -------------------------------------------------
+def module_slots(config: ModelConfig) -> dict[str, tuple[int, str, slice]]:
+    """PEFT module name (without ``base_model.model.``) -> (layer, LayerWeights field, column slice).
+
+    Built from the family's HF name map in ``weights.py``: ``model.layers.{i}.self_attn.k_proj``
+    -> ``(i, "w_qkv", slice(q_dim, q_dim + kv_dim))``. GPT-2 names are listed with and without
+    their optional ``transformer.`` prefix.
+    """
+    names = NAME_MAPS[config.family]
+    q, kv, f, d = config.q_dim, config.kv_dim, config.intermediate_size, config.hidden_size
+    gated = config.mlp == "gated"
+    where = {
+        "q": ("w_qkv", slice(0, q)), "k": ("w_qkv", slice(q, q + kv)), "v": ("w_qkv", slice(q + kv, q + 2 * kv)),
+        "qkv": ("w_qkv", slice(0, q + 2 * kv)), "o": ("w_o", slice(0, d)),
+        "gate": ("w_gate_up", slice(0, f)),
+        "up": ("w_gate_up", slice(f, 2 * f)) if gated else ("w_up", slice(0, f)),
+        "down": ("w_down", slice(0, d)),
+    }
+    prefix = _OPTIONAL_PREFIX.get(config.family)
+    slots = {}
+    for key, (weight, cols) in where.items():
+        if key not in names:
+            continue
+        for i in range(config.num_hidden_layers):
+            module = names[key].format(i=i).removesuffix(".weight")
+            slots[module] = (i, weight, cols)
+            if prefix and module.startswith(prefix):
+                slots[module[len(prefix):]] = (i, weight, cols)
+    return slots
+
+
+# --- reading -------------------------------------------------------------------------------------------
+def read_adapter_config(folder: Path) -> dict:
+    """``adapter_config.json`` as a dict, after refusing what minillm does not run."""
+    file = folder / CONFIG_FILE
+    if not folder.is_dir():
+        raise AdapterError(f"adapter folder {folder} does not exist; pass the folder PEFT's "
+                           "save_pretrained wrote (adapter_config.json + adapter_model.safetensors).")
+    if not file.is_file():
+        raise AdapterError(f"{file} is missing; a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE} "
+                           "(save it with PeftModel.save_pretrained).")
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"{file} is not valid JSON ({exc}); re-save the adapter.") from None
+    kind = cfg.get("peft_type")
+    if kind != "LORA":
+        raise AdapterError(f"{file}: peft_type is {kind!r}; minillm runs LoRA adapters only (peft_type 'LORA').")
+    for key, what in _REFUSED.items():
+        if cfg.get(key):
+            raise AdapterError(f"{file}: {key} is set ({what}); minillm runs plain LoRA only. "
+                               f"Retrain without {key}, or merge the adapter with PEFT (merge_and_unload) "
+                               "and load the merged model.")
+    if cfg.get("bias", "none") != "none":
+        raise AdapterError(f"{file}: bias is {cfg['bias']!r}: the adapter trains biases, which minillm does not "
+                           "apply; use bias='none', or merge it with PEFT and load the merged model.")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
+            raise AdapterError(f"{file}: {key} must be a positive number, got {cfg.get(key)!r}.")
+    return cfg
+
+
+def load_adapter(path: str | os.PathLike, config: ModelConfig, weights: Weights, *,
+                 model_names: tuple[str, ...] = ()) -> LoraAdapter:
+    """Read a PEFT LoRA folder and check every tensor against the loaded model.
+
+    Args:
+        path: the folder PEFT's ``save_pretrained`` wrote.
+        config, weights: the loaded base model the adapter must fit.
+        model_names: names the base model goes by (manifest name, folder, hub repo); when the
+            adapter's ``base_model_name_or_path`` matches none, a note says so (not an error:
+            local folders have other names, and the shapes are checked anyway).
+
+    Raises:
+        AdapterError: missing files, an unsupported variant (DoRA, other peft_type, ...), a
+            tensor for a module minillm cannot adapt, an A without its B, or a tensor whose shape
+            does not fit the model (the message names the first such tensor).
+    """
+    t0 = time.perf_counter()
+    folder = Path(path).expanduser()
+    cfg = read_adapter_config(folder)
+    file = folder / WEIGHTS_FILE
+    if not file.is_file():
+        hint = " (only adapter_model.bin, the pickle format: re-save with safe_serialization=True)" \
+            if (folder / "adapter_model.bin").is_file() else ""
+        raise AdapterError(f"{file} is missing{hint}; save the adapter with PeftModel.save_pretrained.")
+    try:
+        tensors = read_safetensors_header(file)
+    except WeightsError as exc:
+        raise AdapterError(f"{file}: {exc}") from None
+
+    r, alpha, rslora = int(cfg["r"]), float(cfg["lora_alpha"]), bool(cfg.get("use_rslora"))
+    rank_pattern = cfg.get("rank_pattern") or {}
+
+    def scaling_for(rank: int) -> float:
+        return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+    slots = module_slots(config)
+    pairs: dict[str, dict[str, str]] = {}  # module -> {"A": tensor name, "B": tensor name}
+    for name in sorted(tensors):
+        module, _, part = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        if part not in ("A.weight", "B.weight"):
+            if ".modules_to_save." in name or name.removeprefix(PEFT_PREFIX) in _full_names(config):
+                raise AdapterError(f"{file}: tensor {name!r} replaces a whole module (modules_to_save); minillm "
+                                   "applies low-rank updates only. Merge the adapter with PEFT "
+                                   "(merge_and_unload) and load the merged model.")
+            raise AdapterError(f"{file}: tensor {name!r} is not a LoRA A/B weight (lora_embedding_*, magnitude "
+                               "vectors and biases are not supported).")
+        if module not in slots:
+            raise AdapterError(f"{file}: tensor {name!r} adapts module {module!r}, which a {config.model_type} "
+                               "model with this config.json does not have as an attention or MLP projection "
+                               "(minillm adapts q/k/v/o and the MLP projections only).")
+        pairs.setdefault(module, {})[part[0]] = name
+
+    deltas = []
+    for module, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            have = next(iter(ab.values()))
+            raise AdapterError(f"{file}: tensor {have!r} has no lora_{'B' if 'A' in ab else 'A'} partner; "
+                               "the adapter file is incomplete. Re-save it.")
+        layer, weight_name, cols = slots[module]
+        w = getattr(weights.layers[layer], weight_name)
+        in_dim, out_dim = w.shape[0], cols.stop - cols.start
+        a_t, b_t = tensors[ab["A"]], tensors[ab["B"]]
+        rank = a_t.shape[0] if len(a_t.shape) == 2 else -1
+        expected_rank = _pattern_rank(module, rank_pattern, r)
+        for t_name, t, expected in ((ab["A"], a_t, (expected_rank, in_dim)), (ab["B"], b_t, (out_dim, expected_rank))):
+            if tuple(t.shape) != expected:
+                raise AdapterError(
+                    f"tensor {t_name!r} in {file} has shape {tuple(t.shape)}, expected {expected} "
+                    f"(r={expected_rank}, module {in_dim} -> {out_dim}); the adapter was trained for another "
+                    "base model (or another rank than adapter_config.json says).")
+        try:
+            a, b = a_t.to_float32(), b_t.to_float32()
+        except WeightsError as exc:
+            raise AdapterError(f"{file}: {exc}") from None
+        deltas.append(LoraDelta(module=module, layer=layer, weight=weight_name, cols=cols,
+                                a=np.ascontiguousarray(a.T), b=np.ascontiguousarray(b.T),  # [in, r], [r, cols]
+                                scaling=scaling_for(rank)))
+    if not deltas:
+        raise AdapterError(f"{file} holds no LoRA tensors; nothing to apply.")
+    deltas.sort(key=lambda d: (d.layer, d.weight, d.cols.start))
+    adapter = LoraAdapter(
+        name=folder.resolve().name, path=folder, rank=r, alpha=alpha, use_rslora=rslora, scaling=scaling_for(r),
+        targets=sorted({d.module.rsplit(".", 1)[-1] for d in deltas}), deltas=deltas,
+        base_model=cfg.get("base_model_name_or_path"), fan_in_fan_out=bool(cfg.get("fan_in_fan_out")),
+    )
+    adapter.notes += _base_model_notes(adapter, model_names)
+    adapter.seconds = time.perf_counter() - t0
+    return adapter
+
+
+def _full_names(config: ModelConfig) -> set[str]:
+    """Every whole-tensor name of the family (a modules_to_save file may carry these)."""
+    return {n.format(i=i) for n in NAME_MAPS[config.family].values() for i in range(config.num_hidden_layers)}
+
+
+def _pattern_rank(module: str, rank_pattern: dict, r: int) -> int:
+    """PEFT's rank for ``module``: the first ``rank_pattern`` key that matches its name's end."""
+    for key, rank in rank_pattern.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return int(rank)
+    return r
+
+
+def _base_model_notes(adapter: LoraAdapter, model_names: tuple[str, ...]) -> list[str]:
+    base = adapter.base_model
+    if not base:
+        return [f"adapter {adapter.name}: adapter_config.json names no base model; shapes checked, applying it"]
+    short = {Path(str(n)).name.lower() for n in model_names if n}
+    if Path(base).name.lower() in short:
+        return []
+    known = " / ".join(dict.fromkeys(str(n) for n in model_names if n)) or "?"
+    return [f"adapter {adapter.name} was trained on {base!r}, loaded model is {known}: the shapes match, "
+            "so it is applied; check it is the right base model"]
+
+
+# --- applying ------------------------------------------------------------------------------------------
+def merge(adapter: LoraAdapter, weights: Weights) -> None:
+    """Fold the adapter into the base weights for good: ``W[:, cols] += scaling * A^T B^T``."""
+    for d in adapter.deltas:
+        w = getattr(weights.layers[d.layer], d.weight)  # [in, out], a fresh array at load
+        w[:, d.cols] += d.product()
+    adapter.mode = "merged"
+
+
+def activate(adapters: list[LoraAdapter], weights: Weights) -> None:
+    """Make ``adapters`` the ones the forward adds (unmerged mode); an empty list runs the base model."""
+    for layer in weights.layers:
+        layer.lora = {}
+    for adapter in adapters:
+        for d in adapter.deltas:
+            weights.layers[d.layer].lora.setdefault(d.weight, []).append(d)
