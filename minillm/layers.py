@@ -175,11 +175,16 @@ def mask_picture(mask: np.ndarray) -> str:
 
 
 # --- attention --------------------------------------------------------------------------------------
-def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Numerically stable softmax (subtract the max first), float32 in, float32 out."""
-    x = x - np.max(x, axis=axis, keepdims=True)
-    e = np.exp(x)
-    return e / np.sum(e, axis=axis, keepdims=True)
+def softmax(x: np.ndarray, axis: int = -1, *, out: np.ndarray | None = None) -> np.ndarray:
+    """Numerically stable softmax (subtract the max first), float32 in, float32 out.
+
+    ``out=x`` overwrites ``x`` instead of allocating three arrays of its size (prefill's scores
+    are ``[n_heads, seq, ctx]``: 9 MB per layer at 512 tokens).
+    """
+    out = np.subtract(x, np.max(x, axis=axis, keepdims=True), out=out)
+    np.exp(out, out=out)
+    out /= np.sum(out, axis=axis, keepdims=True)
+    return out
 
 
 def softcap(x: np.ndarray, cap: float) -> np.ndarray:
@@ -209,33 +214,38 @@ def attention(
     n_heads, seq, head_dim = q.shape
     n_kv_heads, ctx, _ = k.shape
     group = n_heads // n_kv_heads
-    q = q.reshape(n_kv_heads, group * seq, head_dim)  # [n_kv_heads, group*seq, head_dim]
-    scores = (q @ k.transpose(0, 2, 1)) * np.float32(scale)  # [n_kv_heads, group*seq, ctx]
-    scores = scores.reshape(n_heads, seq, ctx) + mask  # [n_heads, seq, ctx]
-    pattern = softmax(scores, axis=-1)
+    q = q.reshape(n_kv_heads, group * seq, head_dim) * np.float32(scale)  # scale the smaller side
+    scores = q @ k.transpose(0, 2, 1)  # [n_kv_heads, group*seq, ctx]
+    scores = scores.reshape(n_heads, seq, ctx)  # [n_heads, seq, ctx]
+    scores += mask  # in place: no second [n_heads, seq, ctx] array
+    pattern = softmax(scores, axis=-1, out=scores)
     z = pattern.reshape(n_kv_heads, group * seq, ctx) @ v  # [n_kv_heads, group*seq, head_dim]
     return z.reshape(n_heads, seq, head_dim), pattern
 
 
 # --- projections, activations and MLPs ------------------------------------------------------------
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-    """``x @ w (+ b)``: ``x`` ``[seq, in]``, ``w`` ``[in, out]`` (pre-transposed at load), ``b`` ``[out]``."""
-    y = x @ w  # [seq, out]
+    """``x @ w.T (+ b)``, PyTorch's ``F.linear``: ``x`` ``[seq, in]``, ``w`` ``[out, in]``, ``b`` ``[out]``.
+
+    ``w.T`` is a view (no copy): BLAS reads ``w``'s rows, so each output is a dot product over
+    contiguous memory, the fastest way through a matrix-vector product in decode (weights.py).
+    """
+    y = x @ w.T  # [seq, in] @ [in, out] -> [seq, out]
     if b is not None:
         y += b  # in place: the product is a fresh array, no second allocation
     return y
 
 
 def project(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, lora=None) -> np.ndarray:
-    """A projection with its unmerged LoRA adapters: ``x @ w (+ b) + scaling * (x @ A^T) @ B^T``.
+    """A projection with its unmerged LoRA adapters: ``x @ w.T (+ b) + scaling * (x @ A.T) @ B.T``.
 
-    ``lora`` lists ``lora.LoraDelta`` s (``a`` ``[in, r]``, ``b`` ``[r, cols]``), each adding its
-    low-rank path to its own columns of ``w`` (q, k or v of a fused ``w_qkv``). None or empty: plain
-    :func:`linear`. Two thin products per adapter, never the ``[in, out]`` product ``A^T B^T``.
+    ``lora`` lists ``lora.LoraDelta`` s (``a`` ``[r, in]``, ``b`` ``[rows, r]``), each adding its
+    low-rank path to its own outputs ``rows`` of ``w`` (q, k or v of a fused ``w_qkv``). None or
+    empty: plain :func:`linear`. Two thin products per adapter, never the ``[out, in]`` product ``B A``.
     """
     y = linear(x, w, b)  # [seq, out]
     for d in lora or ():
-        y[:, d.cols] += np.float32(d.scaling) * ((x @ d.a) @ d.b)  # [seq, r] @ [r, cols] -> [seq, cols]
+        y[:, d.rows] += np.float32(d.scaling) * ((x @ d.a.T) @ d.b.T)  # [seq, r] @ [r, rows] -> [seq, rows]
     return y
 
 
@@ -266,13 +276,13 @@ def gated_mlp(
 ) -> np.ndarray:
     """Gated MLP (Shazeer 2020): ``down(act(gate(x)) * up(x))``; SwiGLU with SiLU, GeGLU with GELU.
 
-    ``x`` ``[seq, d_model]``, ``w_gate_up`` ``[d_model, 2 * ffn]`` (gate | up), ``w_down``
-    ``[ffn, d_model]``, optional biases ``[2 * ffn]`` and ``[d_model]``; returns ``[seq, d_model]``.
+    ``x`` ``[seq, d_model]``, ``w_gate_up`` ``[2 * ffn, d_model]`` (gate | up rows), ``w_down``
+    ``[d_model, ffn]``, optional biases ``[2 * ffn]`` and ``[d_model]``; returns ``[seq, d_model]``.
     ``lora``: unmerged adapters by weight name (``LayerWeights.lora``), see :func:`project`.
     """
     lora = lora or {}
     gate_up = project(x, w_gate_up, b_gate_up, lora.get("w_gate_up"))  # [seq, 2 * ffn]
-    ffn = w_down.shape[0]
+    ffn = w_down.shape[1]
     gate, up = gate_up[:, :ffn], gate_up[:, ffn:]  # each [seq, ffn]
     return project(act(gate) * up, w_down, b_down, lora.get("w_down"))  # [seq, d_model]
 
@@ -281,7 +291,7 @@ def plain_mlp(
     x: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, act: Callable[[np.ndarray], np.ndarray],
     b_up: np.ndarray | None = None, b_down: np.ndarray | None = None, lora: dict | None = None,
 ) -> np.ndarray:
-    """GPT-2's MLP: ``down(act(up(x)))``: ``w_up`` ``[d_model, ffn]``, ``w_down`` ``[ffn, d_model]``."""
+    """GPT-2's MLP: ``down(act(up(x)))``: ``w_up`` ``[ffn, d_model]``, ``w_down`` ``[d_model, ffn]``."""
     lora = lora or {}
     h = act(project(x, w_up, b_up, lora.get("w_up")))  # [seq, ffn]
     return project(h, w_down, b_down, lora.get("w_down"))  # [seq, d_model]

@@ -2,28 +2,27 @@
 
 A LoRA adapter changes a frozen projection ``W`` by a low-rank product. PEFT writes it as two small
 ``nn.Linear`` weights per targeted module: ``A`` ``[r, in]`` and ``B`` ``[out, r]``, with
-``scaling = lora_alpha / r`` (rsLoRA: ``lora_alpha / sqrt(r)``). In HF's ``[out, in]`` layout the
-adapted weight is ``W + scaling * B @ A``; minillm stores weights pre-transposed ``[in, out]``, so
-here it is::
+``scaling = lora_alpha / r`` (rsLoRA: ``lora_alpha / sqrt(r)``). minillm stores weights in HF's
+``[out, in]`` layout too, so::
 
-    W' = W + scaling * (B A)^T = W + scaling * A^T B^T        # [in, r] @ [r, out] -> [in, out]
-    y  = x W' = x W + scaling * (x A^T) B^T                  # the same, never forming the product
+    W' = W + scaling * B @ A                                  # [out, r] @ [r, in] -> [out, in]
+    y  = x @ W'.T = x @ W.T + scaling * (x @ A.T) @ B.T       # the same, never forming the product
 
 Two ways to run it, chosen at load (``minillm.load(..., adapters=[path], merge_adapters=...)``):
 
-- **merged**: add ``scaling * A^T B^T`` into ``W`` once. Zero cost per token; the base weights are
+- **merged**: add ``scaling * B @ A`` into ``W`` once. Zero cost per token; the base weights are
   gone, so the adapter cannot be switched off.
-- **unmerged**: keep ``A^T`` and ``B^T`` beside ``W``; ``layers.project`` adds the low-rank path in
-  the forward, ``(x A^T) B^T``: two thin matrix products per projection. Costs a little per
+- **unmerged**: keep ``A`` and ``B`` beside ``W``; ``layers.project`` adds the low-rank path in
+  the forward, ``(x @ A.T) @ B.T``: two thin matrix products per projection. Costs a little per
   token, and ``Model.set_active_adapters`` switches adapters per request.
 
 minillm fuses q|k|v into ``w_qkv`` and gate|up into ``w_gate_up``, so a ``q_proj`` adapter adds to
-the first ``q_dim`` columns of ``w_qkv``, a ``v_proj`` adapter to the last ``kv_dim``: each
-:class:`LoraDelta` carries its column slice. GPT-2's ``c_attn`` is already fused, so its adapter
+the first ``q_dim`` rows (outputs) of ``w_qkv``, a ``v_proj`` adapter to the last ``kv_dim``: each
+:class:`LoraDelta` carries its row slice. GPT-2's ``c_attn`` is already fused, so its adapter
 spans all of ``w_qkv``. PEFT saves ``A`` and ``B`` as ``nn.Linear`` weights even for GPT-2's
 ``Conv1D`` modules (``fan_in_fan_out=True`` only tells PEFT to transpose the product when it
-merges into a Conv1D ``[in, out]`` weight), and minillm's weights are ``[in, out]`` for every family,
-so the formula above holds for both settings.
+merges into a Conv1D ``[in, out]`` weight), and minillm's weights are ``[out, in]`` for every family
+(``weights.py`` transposes Conv1D at load), so the formula above holds for both settings.
 
 Supported: ``peft_type: LORA`` on the attention and MLP projections, any rank (also per module via
 ``rank_pattern``), rsLoRA. Refused with :class:`~minillm.errors.AdapterError`: DoRA, other adapter
@@ -69,27 +68,27 @@ _REFUSED = {
 
 @dataclass
 class LoraDelta:
-    """One module's low-rank update, in minillm's ``[in, out]`` layout.
+    """One module's low-rank update, as PEFT stores it.
 
-    ``a`` ``[in, r]`` is PEFT's ``A`` transposed, ``b`` ``[r, cols]`` its ``B`` transposed; it adds
-    ``scaling * (x @ a) @ b`` to columns ``cols`` of the fused projection ``weight``.
+    ``a`` ``[r, in]`` is PEFT's ``A``, ``b`` ``[rows, r]`` its ``B``; it adds ``scaling * b @ a`` to
+    rows ``rows`` (the module's outputs) of the fused projection ``weight`` ``[out, in]``.
     """
 
     module: str  # PEFT's module name, e.g. "model.layers.3.self_attn.q_proj"
     layer: int
     weight: str  # LayerWeights field: "w_qkv", "w_o", "w_gate_up", "w_up", "w_down"
-    cols: slice  # columns of that weight this module owns (q, k or v of w_qkv; gate or up)
-    a: np.ndarray  # [in, r]
-    b: np.ndarray  # [r, cols]
+    rows: slice  # rows (outputs) of that weight this module owns (q, k or v of w_qkv; gate or up)
+    a: np.ndarray  # [r, in]
+    b: np.ndarray  # [rows, r]
     scaling: float
 
     @property
     def rank(self) -> int:
-        return self.a.shape[1]
+        return self.a.shape[0]
 
     def product(self) -> np.ndarray:
-        """``scaling * A^T B^T``: ``[in, cols]``, what merging adds to ``weight[:, cols]``."""
-        return np.float32(self.scaling) * (self.a @ self.b)
+        """``scaling * B @ A``: ``[rows, in]``, what merging adds to ``weight[rows]``."""
+        return np.float32(self.scaling) * (self.b @ self.a)
 
 
 @dataclass
@@ -129,7 +128,7 @@ class LoraAdapter:
 
 # --- where each PEFT module lands in minillm's layout -------------------------------------------------
 def module_slots(config: ModelConfig) -> dict[str, tuple[int, str, slice]]:
-    """PEFT module name (without ``base_model.model.``) -> (layer, LayerWeights field, column slice).
+    """PEFT module name (without ``base_model.model.``) -> (layer, LayerWeights field, row slice).
 
     Built from the family's HF name map in ``weights.py``: ``model.layers.{i}.self_attn.k_proj``
     -> ``(i, "w_qkv", slice(q_dim, q_dim + kv_dim))``. GPT-2 names are listed with and without
@@ -147,14 +146,14 @@ def module_slots(config: ModelConfig) -> dict[str, tuple[int, str, slice]]:
     }
     prefix = _OPTIONAL_PREFIX.get(config.family)
     slots = {}
-    for key, (weight, cols) in where.items():
+    for key, (weight, rows) in where.items():
         if key not in names:
             continue
         for i in range(config.num_hidden_layers):
             module = names[key].format(i=i).removesuffix(".weight")
-            slots[module] = (i, weight, cols)
+            slots[module] = (i, weight, rows)
             if prefix and module.startswith(prefix):
-                slots[module[len(prefix):]] = (i, weight, cols)
+                slots[module[len(prefix):]] = (i, weight, rows)
     return slots
 
 
@@ -247,9 +246,9 @@ def load_adapter(path: str | os.PathLike, config: ModelConfig, weights: Weights,
             have = next(iter(ab.values()))
             raise AdapterError(f"{file}: tensor {have!r} has no lora_{'B' if 'A' in ab else 'A'} partner; "
                                "the adapter file is incomplete. Re-save it.")
-        layer, weight_name, cols = slots[module]
-        w = getattr(weights.layers[layer], weight_name)
-        in_dim, out_dim = w.shape[0], cols.stop - cols.start
+        layer, weight_name, rows = slots[module]
+        w = getattr(weights.layers[layer], weight_name)  # [out, in]
+        in_dim, out_dim = w.shape[1], rows.stop - rows.start
         a_t, b_t = tensors[ab["A"]], tensors[ab["B"]]
         rank = a_t.shape[0] if len(a_t.shape) == 2 else -1
         expected_rank = _pattern_rank(module, rank_pattern, r)
@@ -263,12 +262,11 @@ def load_adapter(path: str | os.PathLike, config: ModelConfig, weights: Weights,
             a, b = a_t.to_float32(), b_t.to_float32()
         except WeightsError as exc:
             raise AdapterError(f"{file}: {exc}") from None
-        deltas.append(LoraDelta(module=module, layer=layer, weight=weight_name, cols=cols,
-                                a=np.ascontiguousarray(a.T), b=np.ascontiguousarray(b.T),  # [in, r], [r, cols]
-                                scaling=scaling_for(rank)))
+        deltas.append(LoraDelta(module=module, layer=layer, weight=weight_name, rows=rows,
+                                a=a, b=b, scaling=scaling_for(rank)))  # [r, in], [rows, r]
     if not deltas:
         raise AdapterError(f"{file} holds no LoRA tensors; nothing to apply.")
-    deltas.sort(key=lambda d: (d.layer, d.weight, d.cols.start))
+    deltas.sort(key=lambda d: (d.layer, d.weight, d.rows.start))
     adapter = LoraAdapter(
         name=folder.resolve().name, path=folder, rank=r, alpha=alpha, use_rslora=rslora, scaling=scaling_for(r),
         targets=sorted({d.module.rsplit(".", 1)[-1] for d in deltas}), deltas=deltas,
@@ -306,10 +304,10 @@ def _base_model_notes(adapter: LoraAdapter, model_names: tuple[str, ...]) -> lis
 
 # --- applying ------------------------------------------------------------------------------------------
 def merge(adapter: LoraAdapter, weights: Weights) -> None:
-    """Fold the adapter into the base weights for good: ``W[:, cols] += scaling * A^T B^T``."""
+    """Fold the adapter into the base weights for good: ``W[rows] += scaling * B @ A``."""
     for d in adapter.deltas:
-        w = getattr(weights.layers[d.layer], d.weight)  # [in, out], a fresh array at load
-        w[:, d.cols] += d.product()
+        w = getattr(weights.layers[d.layer], d.weight)  # [out, in], a fresh array at load
+        w[d.rows] += d.product()
     adapter.mode = "merged"
 
 

@@ -9,15 +9,15 @@ Every family runs through the same lines; where one differs, a ``ModelConfig`` f
 
     x = embed(ids) [* sqrt(d_model): Gemma] [+ learned positions: GPT-2]
     per layer:  h = norm(x)                          RMSNorm | LayerNorm (GPT-2)
-                q, k, v = h @ W_qkv [+ b_qkv]         biases: GPT-2, Qwen 2; + LoRA paths (unmerged)
+                q, k, v = h @ W_qkv.T [+ b_qkv]       biases: GPT-2, Qwen 2; + LoRA paths (unmerged)
                 q, k = norm(q), norm(k)               QK-norm: Qwen 3, Gemma 3
                 q, k = RoPE(q), RoPE(k)               not GPT-2; Gemma's sliding layers: own base
                 z = attention(q, K, V, mask)          causal | sliding-window mask
-                a = z @ W_o [+ b_o];  [a = norm(a)]   post-norm: Gemma 3
+                a = z @ W_o.T [+ b_o]; [a = norm(a)]  post-norm: Gemma 3
                 x = x + a
                 h = norm(x); m = MLP(h); [m = norm(m)]  SwiGLU | GeGLU | GPT-2's plain MLP
                 x = x + m
-    logits = norm(x) @ W_head [soft-capped, if final_logit_softcapping is set]
+    logits = norm(x) @ W_head.T [soft-capped, if final_logit_softcapping is set]
 
 Intermediate names follow TransformerLens (embed, resid_pre, q, k, v, rot_q, rot_k, pattern, z,
 attn_out, resid_mid, mlp_out, resid_post), so ``capture`` output reads like that library's cache.
@@ -180,7 +180,7 @@ class Transformer:
         if last_only:
             x = x[-1:]  # [1, d_model]
         x = self.norm(x, w.final_norm, w.final_norm_bias)
-        logits = x @ w.lm_head  # [seq, vocab]
+        logits = x @ w.lm_head.T  # [seq, d_model] @ [d_model, vocab] -> [seq, vocab]
         if cfg.final_logit_softcapping is not None:
             logits = L.softcap(logits, cfg.final_logit_softcapping)
         return logits

@@ -36,21 +36,26 @@ class StoredTensor:
     file: Path
     dtype: str  # safetensors name: "F32", "BF16", ...
     shape: tuple[int, ...]
-    data: np.ndarray | None  # the raw bytes (a read-only memory map), None for a dtype we cannot read
+    offset: int  # where the raw bytes start in the file
+    readable: bool  # False for a dtype we cannot read
 
     def to_float32(self) -> np.ndarray:
         """The values as a float32 array of ``shape`` (a fresh copy, exact for every dtype we read).
 
         Raises WeightsError for a dtype minillm does not read (integers, 8-bit floats, ...).
         """
-        if self.data is None:
+        if not self.readable:
             raise WeightsError(f"{self.file.name} stores this tensor as {self.dtype}; minillm reads "
                                f"{', '.join(_DTYPES)}. Convert the checkpoint to one of those.")
-        words = self.data.view(_DTYPES[self.dtype][0]).reshape(self.shape)
+        # A plain read into fresh memory, not a memory map: mapped file pages count in the resident
+        # set while the map lives, so mapping the file made the load peak at twice the weights.
+        dtype = _DTYPES[self.dtype][0]
+        count = int(np.prod(self.shape, dtype=np.int64))
+        words = np.fromfile(self.file, dtype=dtype, count=count, offset=self.offset).reshape(self.shape)
         if self.dtype == "BF16":
             # bfloat16 = the high 16 bits of a float32: put them back there, exactly.
             return (words.astype(np.uint32) << 16).view(np.float32)
-        return words.astype(np.float32)  # F32: a copy (so no array pins the file); F16/F64: exact/rounded
+        return words.astype(np.float32, copy=False)  # F32: already the array; F16/F64: exact/rounded
 
 
 def read_safetensors_header(file: Path) -> dict[str, StoredTensor]:
@@ -80,7 +85,7 @@ def read_safetensors_header(file: Path) -> dict[str, StoredTensor]:
             raise corrupt(f"the header is not JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise corrupt("the header is not a JSON object")
-    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
+    data_len = size - 8 - n
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -91,12 +96,12 @@ def read_safetensors_header(file: Path) -> dict[str, StoredTensor]:
                 raise ValueError("shape and data_offsets must be whole numbers >= 0")
         except (KeyError, TypeError, ValueError) as exc:
             raise corrupt(f"tensor {name!r} has a malformed entry {info!r}") from exc
-        if not start <= end <= len(data):
-            raise corrupt(f"tensor {name!r} lies at bytes {start}..{end} of a {len(data):,}-byte data section")
+        if not start <= end <= data_len:
+            raise corrupt(f"tensor {name!r} lies at bytes {start}..{end} of a {data_len:,}-byte data section")
         known = _DTYPES.get(dtype)
         if known is not None and (end - start) != int(np.prod(shape, dtype=np.int64)) * known[0].itemsize:
             raise corrupt(f"tensor {name!r} has {end - start} bytes, not {shape} x {dtype}")
-        out[name] = StoredTensor(file, dtype, shape, data[start:end] if known is not None else None)
+        out[name] = StoredTensor(file, dtype, shape, 8 + n + start, known is not None)
     return out
 
 
