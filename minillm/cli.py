@@ -128,25 +128,18 @@ def _check_request_args(args: argparse.Namespace) -> None:
 
 
 def _cmd_request(args: argparse.Namespace, console: Console) -> int:
-    from threadpoolctl import threadpool_limits
-
+    from . import lifecycle
     from .sampling import SamplingParams
+    from .stopping import StopReason
+    from .trace import Tracer
 
     _check_request_args(args)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
-    with threadpool_limits(limits=args.threads, user_api="blas"):
-        return _run_request(args, console, params)
-
-
-def _run_request(args: argparse.Namespace, console: Console, params) -> int:
-    from . import lifecycle
-    from .stopping import StopReason
-    from .trace import Tracer
 
     tracer = Tracer(console if args.trace == "rich" else None, verbosity=args.verbosity)
     model = lifecycle.load(args.model, tracer=tracer, warmup=not args.no_warmup, adapters=args.adapter,
-                           merge_adapters=args.adapter_mode == "merged")
+                           merge_adapters=args.adapter_mode == "merged", threads=args.threads)
     if args.command == "chat":
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt: str | list = messages + [{"role": "user", "content": args.prompt}]

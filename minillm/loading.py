@@ -16,7 +16,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .hub import ResolvedModel, resolve_model
-from .errors import AdapterError
+from .errors import AdapterError, InvalidRequestError
 from .kv_cache import KVCache
 from .lora import LoraAdapter, activate, load_adapter, merge
 from .model import Transformer
@@ -42,6 +42,7 @@ class Model:
     warmup_s: float | None = None  # seconds the warm-up took; None while none has run
     requests_served: int = 0  # real requests since load (the warm-up is not counted)
     adapters: list[LoraAdapter] = field(default_factory=list)  # LoRA adapters loaded with the model
+    threads: int | None = None  # BLAS threads asked for at load; None: the BLAS default (all cores)
 
     @property
     def load_s(self) -> float:
@@ -82,7 +83,7 @@ class Model:
 
 def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None = None,
          progress: bool = True, warmup: bool = True, adapters: list[str | os.PathLike] | None = None,
-         merge_adapters: bool = True) -> Model:
+         merge_adapters: bool = True, threads: int | None = None) -> Model:
     """Load a model by manifest name (fetched and cached on first use) or from a local folder.
 
     Args:
@@ -93,14 +94,21 @@ def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None
         adapters: PEFT LoRA adapter folders to apply to every request (``lora.py``).
         merge_adapters: True: fold them into the weights (no cost per token); False: keep them
             apart, computed in the forward, switchable with ``Model.set_active_adapters``.
+        threads: how many threads the BLAS (OpenBLAS under NumPy) runs the matrix multiplies
+            with, set through threadpoolctl for the whole process. None: leave the BLAS default
+            (every core). On a quiet 2-core machine 2 beat 1 (decode x1.3, prefill x1.7); when
+            another busy process shares the cores, 1 can be ~3x faster, because a BLAS thread
+            that loses its core stalls every multiply waiting for it (``benchmarks/``, issue 6).
 
     Raises:
+        InvalidRequestError: ``threads`` is not a whole number >= 1.
         ModelNotFoundError, DownloadError, ChecksumMismatchError: while resolving the model.
         ConfigError, WeightsError, TokenizerError: while reading the folder.
         AdapterError: an adapter is missing files, unsupported, or does not fit the model.
     """
     from .manifest import default_model_name
 
+    set_blas_threads(threads)
     start = tracer.now() if tracer else 0.0
     t0 = time.perf_counter()
     resolved = resolve_model(name_or_path if name_or_path is not None else default_model_name(),
@@ -122,7 +130,8 @@ def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None
     seconds.update({"config + weights": t2 - t1, "tokenizer": t3 - ta, "allocate": t4 - t3})
     if loaded:
         seconds["adapters"] = ta - t2
-    model = Model(resolved.name, resolved.path, config, tokenizer, transformer, resolved, seconds, adapters=loaded)
+    model = Model(resolved.name, resolved.path, config, tokenizer, transformer, resolved, seconds, adapters=loaded,
+                  threads=threads)
     if tracer:
         tracer.emit(
             "load", start, t4 - t0, name=resolved.name, source=resolved.source, path=str(resolved.path),
@@ -166,6 +175,22 @@ def _load_adapters(paths, merge_them: bool, config: ModelConfig, weights, resolv
     if loaded and not merge_them:
         activate(loaded, weights)
     return loaded
+
+
+def set_blas_threads(threads: int | None) -> None:
+    """Run the BLAS's matrix multiplies on ``threads`` threads from now on (threadpoolctl); None: no change.
+
+    Raises:
+        InvalidRequestError: ``threads`` is not a whole number >= 1.
+    """
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InvalidRequestError(f"threads must be a whole number >= 1, got {threads!r}; "
+                                  "pass None to keep the BLAS default (all cores).")
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=threads, user_api="blas")  # process-wide; not undone when load returns
 
 
 def blas_summary() -> list[str]:

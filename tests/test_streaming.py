@@ -442,3 +442,16 @@ def test_cli_ctrl_c_cancels_cleanly_with_the_partial_text(smollm2):
     new_tokens = int(re.search(r"new tokens\s+(\d+)", out).group(1))
     assert 3 < new_tokens < 400
     assert "cancelled by Ctrl-C" in err and "Traceback" not in err
+
+
+def test_cli_threads_flag_runs_the_blas_on_that_many_threads(smollm2):
+    """In a child process: ``--threads`` sets the BLAS threads for the whole process."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "minillm.cli", "run", "The capital of France is", "-n", "3",
+                           "--threads", "1", "--trace", "json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    load = next(e for e in events if e["phase"] == "load")
+    assert load["data"]["blas"] and all(line.endswith(", 1 threads") for line in load["data"]["blas"])
+    assert next(e for e in events if e["phase"] == "stop")["data"]["text"] == " Paris.\n"
