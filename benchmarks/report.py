@@ -52,6 +52,9 @@ def render(report: dict, console=None) -> None:
                   _fmt(eager.get("decode_tokens_per_s"), ".1f"), _fmt(sdpa.get("decode_tokens_per_s"), ".1f"),
                   _fmt(ceil.get("decode_tokens_per_s"), ".1f"), _fmt(r_eager.get("decode_tokens_per_s"), ".2f"),
                   _fmt(r_sdpa.get("decode_tokens_per_s"), ".2f"), _fmt(r_ceil.get("decode_tokens_per_s"), ".0%"))
+    products = mine.get("weights_pass_tokens_per_s")
+    table.add_row("  its matrix products alone (tok/s)", _fmt(products, ".1f"), "", "",
+                  _fmt(ceil.get("decode_tokens_per_s"), ".1f"), "", "", _fmt(r_ceil.get("weights_pass_tokens_per_s"), ".0%"))
     table.add_row("decode step (ms)", _fmt(mine.get("decode_step_ms"), ".1f"),
                   _fmt(eager.get("decode_step_ms"), ".1f"), _fmt(sdpa.get("decode_step_ms"), ".1f"),
                   _fmt(1e3 / ceil["decode_tokens_per_s"] if ceil else None, ".1f"), "", "", "")
@@ -67,6 +70,13 @@ def render(report: dict, console=None) -> None:
             f"per token (weights + KV at mean context {ceil['decode_mean_context']:.0f}); prefill <= "
             f"{ceil['gemm_gflop_s']:.1f} GFLOP/s / (2 x {ceil['prefill_parameters']:,} parameters). "
             "The RSS 'ceiling' is the target budget: float32 weights + KV cache + 25%.")
+    if products:
+        share = ratios.get("minillm/weights-pass", {}).get("decode_tokens_per_s")
+        console.print(
+            f"'its matrix products alone': one token through every projection and the LM head with nothing "
+            f"between them, {1e3 / products:.1f} ms: the fastest a NumPy decode step over these weights can be "
+            f"here. minillm's whole step takes {_fmt(share, '.0%')} of that speed; the rest of the step is norms, "
+            "RoPE, attention and Python.")
 
     targets = Table(title="targets (issue 6)", title_justify="left")
     for col in ("target", "measured", "threshold", ""):

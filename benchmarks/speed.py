@@ -114,6 +114,8 @@ def summarise_runtime(raw: dict, statistic: str = "median") -> dict:
                for length, r in raw.get("prefill", {}).items()}
     decode = raw.get("decode")
     decode_tps = pick([(decode["new_tokens"] - 1) / s for s in decode["seconds"]]) if decode else None
+    products = raw.get("weights_pass")
+    products_tps = pick([1 / s for s in products["seconds"]]) if products else None
     loads = raw.get("load_s") or []
     return {
         "load_s": median(loads) if statistic == "median" else (min(loads) if loads else None),
@@ -121,6 +123,8 @@ def summarise_runtime(raw: dict, statistic: str = "median") -> dict:
         "prefill_tokens_per_s": prefill,
         "decode_tokens_per_s": decode_tps,
         "decode_step_ms": None if decode_tps is None else 1e3 / decode_tps,
+        # minillm only: a decode step's matrix products alone, as tokens/s (workers.weights_pass_seconds)
+        "weights_pass_tokens_per_s": products_tps,
         "peak_rss_bytes": raw.get("peak_rss_bytes"),
     }
 
@@ -142,9 +146,11 @@ def compute_ceilings(machine: dict, model: dict, decode_prompt_len: int, new_tok
 
 
 def compute_ratios(figures: dict, ceilings: dict | None) -> dict:
-    """minillm / torch eager, minillm / torch sdpa and minillm / ceiling for every figure."""
+    """minillm / torch eager, minillm / torch sdpa and minillm / ceiling for every figure, and
+    minillm's decode / its matrix products alone (the share of a step that streams weights)."""
     mine = figures.get("minillm", {})
-    out = {}
+    out = {"minillm/weights-pass": {"decode_tokens_per_s": ratio(mine.get("decode_tokens_per_s"),
+                                                                mine.get("weights_pass_tokens_per_s"))}}
     for other in ("torch-eager", "torch-sdpa"):
         theirs = figures.get(other, {})
         out[f"minillm/{other}"] = {
@@ -158,6 +164,7 @@ def compute_ratios(figures: dict, ceilings: dict | None) -> dict:
     if ceilings:
         out["minillm/ceiling"] = {
             "decode_tokens_per_s": ratio(mine.get("decode_tokens_per_s"), ceilings["decode_tokens_per_s"]),
+            "weights_pass_tokens_per_s": ratio(mine.get("weights_pass_tokens_per_s"), ceilings["decode_tokens_per_s"]),
             "prefill_tokens_per_s": {n: ratio(v, ceilings["prefill_tokens_per_s"])
                                      for n, v in mine.get("prefill_tokens_per_s", {}).items()},
         }

@@ -225,10 +225,14 @@ def measure_minillm(opts: dict) -> dict:
         steps.append(step_s)
         kv_max = max(kv_max, kv)
 
+    log("minillm matrix products alone")
+    products = weights_pass_seconds(weights, repeats=20 * opts["repeats"])
+
     out.update({
         "prefill": prefill,
         "decode": {"prompt_tokens": len(ids), "new_tokens": opts["new_tokens"], "seconds": seconds,
                    "step_ms_median": [1e3 * statistics.median(s) for s in steps]},
+        "weights_pass": {"seconds": products, "bytes": 4 * matmul_parameters(weights)},
         "model": {"path": str(model.path), "parameters": weights.num_parameters,
                   "weights_bytes": weights.nbytes, "kv_bytes_per_token": cfg.kv_bytes_per_token(),
                   "layers": cfg.num_hidden_layers, "d_model": cfg.hidden_size, "vocab": cfg.vocab_size,
@@ -243,12 +247,27 @@ def measure_minillm(opts: dict) -> dict:
     return out
 
 
+def weights_pass_seconds(weights, repeats: int) -> list[float]:
+    """A decode step's matrix products and nothing else: one token's ``[1, in]`` activation through
+    every projection of every layer and the LM head (``layers.linear``, the forward's own
+    function), each pass timed. No norms, attention, RoPE or Python between them: the fastest a
+    NumPy decode step over these float32 weights can be on this BLAS and memory."""
+    from minillm.layers import linear
+
+    matrices = [w for layer in weights.layers for w in layer.projections()] + [weights.lm_head]
+    inputs = [np.ones((1, w.shape[1]), dtype=np.float32) for w in matrices]  # [1, in]
+
+    def one_pass():
+        for x, w in zip(inputs, matrices):
+            linear(x, w)
+
+    return timed(one_pass, repeats, warmup=2)
+
+
 def matmul_parameters(weights) -> int:
     """Parameters a decode step streams through a matrix product: every projection and the LM
     head (the embedding table is read one row per token, unless it *is* the tied head)."""
-    total = sum(a.size for layer in weights.layers
-                for a in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))
-    return total + weights.lm_head.size
+    return sum(w.size for layer in weights.layers for w in layer.projections()) + weights.lm_head.size
 
 
 def measure_minillm_curves(opts: dict) -> dict:

@@ -47,6 +47,7 @@ def test_summary_ratios_and_targets_from_known_runs():
     runs = {
         "minillm": {"load_s": [1.0, 3.0, 1.5], "prefill": {"512": {"seconds": [1.0, 2.0, 0.5]}},
                     "decode": {"new_tokens": 11, "seconds": [0.5, 1.0, 2.0], "step_ms_median": [50.0]},
+                    "weights_pass": {"seconds": [0.04, 0.05, 0.08], "bytes": 4_000},
                     "peak_rss_bytes": 1_000 * 2**20},
         "torch-eager": {"load_s": [2.0], "prefill": {"512": {"seconds": [4.0]}},
                         "decode": {"new_tokens": 11, "seconds": [2.0], "step_ms_median": [200.0]},
@@ -61,6 +62,8 @@ def test_summary_ratios_and_targets_from_known_runs():
     assert mine["prefill_tokens_per_s"] == {"512": 512.0}  # median of 512, 256, 1024 tokens/s
     assert mine["decode_tokens_per_s"] == 10.0  # (11 - 1) new tokens in a median 1.0 s
     assert mine["decode_step_ms"] == 100.0
+    assert mine["weights_pass_tokens_per_s"] == 20.0  # median of 25, 20, 12.5 passes/s
+    assert figures["torch-eager"]["weights_pass_tokens_per_s"] is None
     fastest = speed.summarise_runtime(runs["minillm"], "best")
     assert (fastest["load_s"], fastest["prefill_tokens_per_s"], fastest["decode_tokens_per_s"]) == (1.0, {"512": 1024.0}, 20.0)
     ceilings = {"decode_tokens_per_s": 20.0, "prefill_tokens_per_s": 1024.0}
@@ -68,6 +71,8 @@ def test_summary_ratios_and_targets_from_known_runs():
     assert ratios["minillm/torch-eager"]["decode_tokens_per_s"] == 2.0
     assert ratios["minillm/torch-sdpa"]["prefill_tokens_per_s"] == {"512": 1.0}
     assert ratios["minillm/ceiling"]["decode_tokens_per_s"] == 0.5
+    assert ratios["minillm/ceiling"]["weights_pass_tokens_per_s"] == 1.0  # 20 / 20
+    assert ratios["minillm/weights-pass"]["decode_tokens_per_s"] == 0.5  # 10 / 20
     targets = {t["name"]: t["passed"] for t in speed.evaluate_targets(
         figures, ratios, {"weights_bytes": 700 * 2**20, "kv_bytes": 100 * 2**20})}
     assert targets == {
@@ -150,6 +155,10 @@ def test_quick_run_figures_ceilings_and_targets(quick_report):
     assert r["machine"]["read_gb_s"] > 0 and r["machine"]["gemm_gflop_s"] > 0
     model = r["runtimes"]["minillm"]["model"]
     assert model["dtypes"] == ["float32"]
+    # 2 layers x (qkv 64x32 + o 32x32 + gate|up 128x32 + down 32x64) + the tied head 64x32, float32
+    assert model["matmul_parameters"] == 2 * (2_048 + 1_024 + 4_096 + 2_048) + 2_048 == 20_480
+    assert r["runtimes"]["minillm"]["weights_pass"]["bytes"] == 4 * 20_480
+    assert mine["weights_pass_tokens_per_s"] > 0
     assert r["ceilings"]["decode_bytes_per_token"] == speed.decode_bytes_per_token(
         model["matmul_parameters"], model["kv_bytes_per_token"], speed.mean_decode_context(16, 4))
     targets = {t["name"]: t["passed"] for t in r["targets"]}
