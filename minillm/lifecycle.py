@@ -65,9 +65,8 @@ def tokenize(model: Model, prompt: Prompt, *, chat: bool | None = None,
         ids = tok.encode(text, add_special_tokens=True)
     t1 = time.perf_counter()
     if tracer:
-        specials = [tok.decode([i], skip_special_tokens=False) for i in sorted(tok.special_token_ids)]
         tracer.emit("prepare", start, 0.0, chat=chat, messages=messages or [], text=text,
-                    special_tokens=[s for s in specials if s])
+                    special_tokens=[s for s in tok.special_token_texts if s])
         tracer.emit("tokenize", start, t1 - t0, ids=ids.tolist(),
                     pieces=[tok.piece_for_display(i) for i in ids.tolist()],
                     special_ids=sorted(tok.special_token_ids))
@@ -132,8 +131,12 @@ def detokenize(model: Model, ids, *, skip_special_tokens: bool = True) -> str:
 
 
 def _candidate_pieces(model: Model, logits: np.ndarray, params: SamplingParams, seen_ids=()):
-    return [(model.tokenizer.piece_for_display(i), p)
-            for i, p in sampling.candidates(logits, params, seen_ids=seen_ids, k=5)]
+    return _as_pieces(model, sampling.candidates(logits, params, seen_ids=seen_ids, k=5))
+
+
+def _as_pieces(model: Model, candidates: list[tuple[int, float]]) -> list[tuple[str, float]]:
+    """``[(token id, probability)]`` -> ``[(piece as displayed, probability)]`` for the trace."""
+    return [(model.tokenizer.piece_for_display(i), p) for i, p in candidates]
 
 
 # --- the loop ----------------------------------------------------------------------------------
@@ -314,11 +317,9 @@ def stream(model: Model, prompt: Prompt, params: SamplingParams | None = None, *
 
 
 def _emit_summary(model: Model, tracer: Tracer, metrics: RequestMetrics, text: str) -> None:
-    tok = model.tokenizer
-    specials = tuple(tok.decode([i], skip_special_tokens=False) for i in sorted(tok.special_token_ids))
     diagnosis = diagnose(metrics, load_s=model.load_s, warmup_s=model.warmup_s,
                          first_request=model.requests_served == 0, text=text,
-                         special_tokens=specials)
+                         special_tokens=model.tokenizer.special_token_texts)
     params = model.transformer.weights.num_parameters
     tracer.emit("summary", tracer.now(), metrics.total_s, load_s=model.load_s, warmup_s=model.warmup_s,
                 **metrics.to_dict(), parameters=params,
@@ -335,7 +336,7 @@ def _emit_step(model, tracer, step_t0, now, step, position, token, logits, param
     tracer.emit("decode", step_t0 - tracer.t0, now - step_t0, step=step, position=position,
                 input_token=fed, input_piece=model.tokenizer.piece_for_display(fed), token=token,
                 piece=model.tokenizer.piece_for_display(token), prob=prob,
-                candidates=[(model.tokenizer.piece_for_display(i), p) for i, p in cands],
+                candidates=_as_pieces(model, cands),
                 cache_length=position + 1, last=last, text=delta)
 
 

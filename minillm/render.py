@@ -21,11 +21,6 @@ from .trace import TraceEvent, Tracer
 MASK_GRID_MAX = 12  # print the causal mask as a grid for prompts up to this many tokens
 
 
-def visible(piece: str) -> str:
-    """Make whitespace visible in a token piece: space -> '␣', newline -> '↵', tab -> '⇥'."""
-    return piece.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥")
-
-
 def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
     table = Table(title=title, title_justify="left", show_header=False, box=None, padding=(0, 2))
     table.add_column(style="cyan", no_wrap=True)
@@ -36,7 +31,7 @@ def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
 
 
 def _candidates_text(cands: list[tuple[str, float]]) -> str:
-    return "  ".join(f"{visible(p)}:{prob:.2f}" for p, prob in cands)
+    return "  ".join(f"{p}:{prob:.2f}" for p, prob in cands)
 
 
 def mask_grid(seq: int, offset: int = 0) -> str:
@@ -138,7 +133,7 @@ class Renderer:
             table.add_column(col, justify=justify)
         specials = set(d.get("special_ids", ()))
         for pos, (tid, piece) in enumerate(zip(d["ids"], d["pieces"])):
-            table.add_row(str(pos), str(tid), Text(visible(piece), style="bold yellow" if tid in specials else ""))
+            table.add_row(str(pos), str(tid), Text(piece, style="bold yellow" if tid in specials else ""))
         self.console.print(table)
 
     def _prefill(self, e: TraceEvent) -> None:
@@ -167,8 +162,8 @@ class Renderer:
             self.folded = 0
         alts = _candidates_text([c for c in d["candidates"] if c[0] != d["piece"]][:4])
         self.console.print(
-            f"{step:>4} {d['position']:>5}  {escape(visible(d['input_piece'])):>14} -> "
-            f"{escape(visible(d['piece'])):<14} {d['prob']:>5.2f}  {e.duration * 1e3:>7.1f}  [dim]{escape(alts)}[/]",
+            f"{step:>4} {d['position']:>5}  {escape(d['input_piece']):>14} -> "
+            f"{escape(d['piece']):<14} {d['prob']:>5.2f}  {e.duration * 1e3:>7.1f}  [dim]{escape(alts)}[/]",
             highlight=False, no_wrap=True, overflow="ellipsis")
 
     def _stop(self, e: TraceEvent) -> None:

@@ -369,7 +369,7 @@ class Tokenizer:
         return piece
 
     def piece_for_display(self, token_id: int) -> str:
-        """A piece as a person reads it: 'Ġcapital' -> '␣capital', 'Ċ' -> '↵', specials as-is.
+        """A piece as a person reads it: 'Ġcapital' -> '␣capital', 'Ċ' -> '↵', '<|im_end|>' as-is.
 
         The piece is turned back into its bytes (byte-level table, '▁' -> space, '<0xE5>' -> byte);
         bytes that are only part of a UTF-8 character are shown escaped, e.g. '\\xe5'.
@@ -377,7 +377,7 @@ class Tokenizer:
         piece = self.id_to_piece(token_id)
         token_id = int(token_id)
         if token_id in self.special_token_ids:
-            return piece
+            return piece.translate(_VISIBLE)  # its text, whitespace made visible like every piece
         if token_id in self._added:  # added tokens hold plain text (Gemma's space runs: '▁▁▁')
             return piece.replace("▁", " ").translate(_VISIBLE)
         if m := _BYTE_PIECE.match(piece):
@@ -387,6 +387,11 @@ class Tokenizer:
         else:
             raw = piece.replace("▁", " ").encode("utf-8")
         return raw.decode("utf-8", errors="backslashreplace").translate(_VISIBLE)
+
+    @cached_property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """The text of every special token (``<|im_end|>``, ...), in id order; computed once."""
+        return tuple(self.decode([i], skip_special_tokens=False) for i in sorted(self.special_token_ids))
 
     # --- chat -----------------------------------------------------------------------------------
     @cached_property

@@ -223,3 +223,19 @@ def test_no_template_says_use_completion_mode(tok):
 def test_bad_messages(tok, messages, match):
     with pytest.raises(ChatTemplateError, match=match):
         tok.apply_chat_template(messages)
+
+
+def test_special_tokens_show_whitespace_and_their_texts_are_listed_once(tmp_path):
+    """A special token's own whitespace is made visible like any piece's; the special texts
+    (for the trace and the leak check) are computed once per tokenizer."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+
+    backend = Backend(WordLevel(vocab={"<unk>": 0, "hi": 1, "<end of\nturn>": 2}, unk_token="<unk>"))
+    backend.add_special_tokens(["<unk>", "<end of\nturn>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_folder(tmp_path)
+    assert tok.piece_for_display(2) == "<end␣of↵turn>"
+    assert tok.piece_for_display(1) == "hi"
+    assert tok.special_token_texts == ("<unk>", "<end of\nturn>")
+    assert tok.special_token_texts is tok.special_token_texts  # cached
