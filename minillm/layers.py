@@ -227,8 +227,8 @@ def attention(
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
     """``x @ w.T (+ b)``, PyTorch's ``F.linear``: ``x`` ``[seq, in]``, ``w`` ``[out, in]``, ``b`` ``[out]``.
 
-    ``w.T`` is a view (no copy): BLAS reads ``w``'s rows, so each output is a dot product over
-    contiguous memory, the fastest way through a matrix-vector product in decode (weights.py).
+    ``w.T`` is a view (no copy): BLAS reads ``w``'s rows, so in decode each output is a dot
+    product over contiguous memory (why this layout: ``weights.py``).
     """
     y = x @ w.T  # [seq, in] @ [in, out] -> [seq, out]
     if b is not None:
