@@ -1,10 +1,17 @@
-"""Safetensors files, read by hand: the header says where each tensor's bytes are; we map them.
+"""Safetensors files, read with the ``safetensors`` library, one tensor at a time.
 
 The format (https://github.com/huggingface/safetensors): 8 bytes little-endian header length ``n``,
 ``n`` bytes of JSON (``{name: {"dtype", "shape", "data_offsets": [start, end]}}``, plus an optional
-``__metadata__``), then the raw little-endian data. Reading it ourselves (instead of
-``safetensors.numpy``) lets us read bfloat16, which NumPy has no dtype for: a bfloat16 is the top
-half of a float32, so ``uint32(word) << 16`` reinterpreted as float32 is its exact value.
+``__metadata__``), then the raw little-endian data. ``safetensors`` checks all of it (the header's
+length and JSON, byte ranges that tile the data section exactly) and hands each tensor to NumPy.
+
+NumPy has no bfloat16; ``ml_dtypes`` (the NumPy dtype extensions JAX uses) registers one, so a
+bfloat16 tensor arrives as a NumPy array and widens to float32 exactly: a bfloat16 is the top half
+of a float32.
+
+Each tensor is read in its own ``safe_open``: the library memory-maps the file, and mapped pages
+count in the process's resident set while the map lives, so one map held open over the whole
+load made the peak twice the weights (issue 6).
 
 A model folder may hold one file or shards listed in ``model.safetensors.index.json``
 (:func:`weight_files`). ``weights.py`` turns the tensors into the model's layout.
@@ -17,15 +24,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors can hand it over)
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from .errors import WeightsError
 
-_DTYPES = {  # safetensors dtype -> (NumPy dtype of the stored words, name shown in the trace)
-    "F32": (np.dtype("<f4"), "float32"),
-    "F16": (np.dtype("<f2"), "float16"),
-    "BF16": (np.dtype("<u2"), "bfloat16"),  # no NumPy bfloat16: keep the raw 16-bit words
-    "F64": (np.dtype("<f8"), "float64"),
+_DTYPES = {  # safetensors dtype -> (bytes per element, name shown in the trace): what minillm reads
+    "F32": (4, "float32"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "F64": (8, "float64"),
 }
 
 
@@ -34,75 +43,47 @@ class StoredTensor:
     """One tensor as a safetensors file holds it: where, what dtype, what shape. Read on demand."""
 
     file: Path
+    name: str
     dtype: str  # safetensors name: "F32", "BF16", ...
     shape: tuple[int, ...]
-    offset: int  # where the raw bytes start in the file
-    readable: bool  # False for a dtype we cannot read
 
     def to_float32(self) -> np.ndarray:
-        """The values as a float32 array of ``shape`` (a fresh copy, exact for every dtype we read).
+        """The values as a float32 array of ``shape`` (a fresh, writable array; exact for every
+        dtype we read but F64, which is rounded).
 
-        Raises WeightsError for a dtype minillm does not read (integers, 8-bit floats, ...).
+        Raises:
+            WeightsError: a dtype minillm does not read (integers, 8-bit floats, ...), or the file
+                changed since its header was read.
         """
-        if not self.readable:
+        if self.dtype not in _DTYPES:
             raise WeightsError(f"{self.file.name} stores this tensor as {self.dtype}; minillm reads "
                                f"{', '.join(_DTYPES)}. Convert the checkpoint to one of those.")
-        # A plain read into fresh memory, not a memory map: mapped file pages count in the resident
-        # set while the map lives, so mapping the file made the load peak at twice the weights.
-        dtype = _DTYPES[self.dtype][0]
-        count = int(np.prod(self.shape, dtype=np.int64))
-        words = np.fromfile(self.file, dtype=dtype, count=count, offset=self.offset).reshape(self.shape)
-        if self.dtype == "BF16":
-            # bfloat16 = the high 16 bits of a float32: put them back there, exactly.
-            return (words.astype(np.uint32) << 16).view(np.float32)
-        return words.astype(np.float32, copy=False)  # F32: already the array; F16/F64: exact/rounded
+        try:
+            with safe_open(self.file, framework="numpy") as f:
+                values = f.get_tensor(self.name)  # a copy out of the map, in the stored dtype
+        except (SafetensorError, OSError) as exc:
+            raise _unreadable(self.file, exc) from None
+        return values.astype(np.float32, copy=False)  # F32: already it; F16/BF16: exact; F64: rounded
+
+
+def _unreadable(file: Path, exc: Exception) -> WeightsError:
+    return WeightsError(f"cannot read {file}: {exc}; the file is corrupt or truncated. Re-download it.")
 
 
 def read_safetensors_header(file: Path) -> dict[str, StoredTensor]:
-    """Map one ``.safetensors`` file: ``{name: StoredTensor}``, no tensor data read yet.
-
-    The format: 8 bytes little-endian header length ``n``, ``n`` bytes of JSON (``{name: {"dtype",
-    "shape", "data_offsets": [start, end]}}``, plus ``__metadata__``), then the raw data.
+    """One ``.safetensors`` file's tensors: ``{name: StoredTensor}``, no tensor data read yet.
 
     Raises:
-        WeightsError: the file is truncated, the header is not valid JSON, or a tensor's byte
-            range is outside the file or does not match its shape and dtype.
+        WeightsError: the file is truncated or corrupt (``safetensors``' reason in the message:
+            a header longer than the file, a header that is not JSON, byte ranges that do not
+            tile the data or do not match a tensor's shape and dtype).
     """
-    def corrupt(why: str) -> WeightsError:
-        return WeightsError(f"cannot read {file}: {why}; the file is corrupt or truncated. Re-download it.")
-
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise corrupt(f"only {size} bytes")
-        n = int.from_bytes(head, "little")
-        if n > size - 8:
-            raise corrupt(f"the header claims {n:,} bytes but the file has {size:,}")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise corrupt(f"the header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise corrupt("the header is not a JSON object")
-    data_len = size - 8 - n
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            if not all(type(v) is int and v >= 0 for v in (*shape, start, end)) or not isinstance(dtype, str):
-                raise ValueError("shape and data_offsets must be whole numbers >= 0")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise corrupt(f"tensor {name!r} has a malformed entry {info!r}") from exc
-        if not start <= end <= data_len:
-            raise corrupt(f"tensor {name!r} lies at bytes {start}..{end} of a {data_len:,}-byte data section")
-        known = _DTYPES.get(dtype)
-        if known is not None and (end - start) != int(np.prod(shape, dtype=np.int64)) * known[0].itemsize:
-            raise corrupt(f"tensor {name!r} has {end - start} bytes, not {shape} x {dtype}")
-        out[name] = StoredTensor(file, dtype, shape, 8 + n + start, known is not None)
-    return out
+    try:
+        with safe_open(file, framework="numpy") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return {name: StoredTensor(file, name, s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()}
+    except (SafetensorError, OSError) as exc:
+        raise _unreadable(file, exc) from None
 
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:
@@ -158,5 +139,5 @@ def dtype_name(dtype: str) -> str:
 def itemsize(dtype: str) -> int:
     """Bytes per element of a safetensors dtype."""
     if dtype in _DTYPES:
-        return _DTYPES[dtype][0].itemsize
+        return _DTYPES[dtype][0]
     return {"I64": 8, "U64": 8, "F64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2}.get(dtype, 1)

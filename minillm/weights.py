@@ -21,7 +21,7 @@ Three layouts arrive on disk, and each is turned into ours once, here, never per
   here, so ``layers.rms_norm`` is the same function for every family.
 
 Stored dtypes: float32, float16 and bfloat16 (also float64), from one file or a sharded
-checkpoint; ``safetensors_file.py`` reads them (bfloat16 widened to float32 exactly, by hand).
+checkpoint; ``safetensors_file.py`` reads them with ``safetensors`` (bfloat16 widened to float32 exactly).
 Tensors a family does not need are left unread and listed in ``Weights.unused_tensors``.
 """
 
@@ -257,6 +257,9 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig) -> Weights:
     def maybe(cond: bool, key: str, shape: tuple[int, ...], i: int | None = None) -> np.ndarray | None:
         return take(key, shape, i) if cond else None
 
+    # The largest tensor first: while it is read, its mapped file pages and its copy both count in
+    # the resident set, and this way nothing else is loaded yet (peak RSS, issue 6).
+    embed = take("embed_tokens", (vocab, d))  # [vocab, d]
     layers = []
     for i in range(config.num_hidden_layers):
         if "qkv" in names:  # GPT-2: one fused Conv1D [d, 3d] -> [3d, d]
@@ -294,7 +297,6 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig) -> Weights:
             b_down=maybe(config.mlp_bias, "down_bias", (d,), i),
             mlp_post_norm=norm("mlp_post_norm", d, i) if config.post_norms else None,
         ))
-    embed = np.ascontiguousarray(take("embed_tokens", (vocab, d)))
     if config.tie_word_embeddings:
         if (name := find("lm_head", None)) is not None:
             used.add(name)  # some files carry the tied copy anyway; the model uses the embedding
