@@ -141,8 +141,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None
                      "stored": dict(weights.stored_dtypes), "bytes_stored": dict(weights.stored_bytes),
                      "unused": weights.unused_tensors, "seconds": dict(weights.seconds)},
             tokenizer={"vocab_size": tokenizer.vocab_size,
-                       "special": " ".join(tokenizer.decode([i], skip_special_tokens=False)
-                                           for i in sorted(tokenizer.special_token_ids)[:12]),
+                       "special": " ".join(tokenizer.special_token_texts[:12]),
                        "eos_ids": sorted(tokenizer.eos_token_ids)},
         )
     if warmup:
