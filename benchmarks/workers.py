@@ -421,7 +421,10 @@ WORKERS = {
 
 
 def _cpu_snapshot() -> tuple[float, float, float]:
-    """(wall s, busy CPU-seconds of the whole machine, CPU-seconds of this process) now."""
+    """(wall s, busy CPU-seconds of the whole machine, CPU-seconds of this process) now.
+
+    The same as ``minillm.metrics.cpu_snapshot``, kept here because the torch workers must not
+    import minillm: their peak RSS is theirs alone."""
     ticks = os.sysconf("SC_CLK_TCK")
     try:
         with open("/proc/stat") as f:

@@ -8,12 +8,14 @@ From a request's measured phase times, say which phase dominated and what that p
     long input delays the first token    prefill               prompt length (prefill is one big GEMM)
     slow after the first token           decode                bytes read per token (weights + KV)
     odd text fragments                   tokenizer / template  chat template, special tokens, detokenizer
+    slow on a shared machine             threads               BLAS threads competing with other processes
 
 Times are seconds as measured (``RequestMetrics``, ``Model.load_s``, the warm-up's duration).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from .metrics import RequestMetrics
@@ -22,6 +24,8 @@ from .metrics import RequestMetrics
 TABLE = {
     "loading": ("slow to become ready", "loading: download, GGUF conversion or reading the weights; "
                 "a second run loads from the cache"),
+    "loading (cached)": ("slow to become ready", "loading: reading the weights from disk (the model was "
+                         "already local: no download or conversion); a slow disk, or a busy machine"),
     "warm-up": ("first request slow", "warm-up: the first request after load pays one-time costs "
                 "(weights paged in, BLAS threads started); run a warm-up request before 'ready'"),
     "prefill": ("long input delays the first token", "prefill: time grows with prompt length; "
@@ -30,7 +34,14 @@ TABLE = {
                "(memory-bandwidth bound); fewer bytes per token (a smaller dtype) or fewer tokens"),
     "tokenizer": ("odd text fragments", "tokenizer / chat template / detokenization: check the "
                   "template output, special tokens and the streaming detokenizer"),
+    "threads": ("slow on a shared machine", "threads: {threads} BLAS threads compete with other processes "
+                "for {cores} cores, and a BLAS thread that loses its core stalls every matrix multiply; "
+                "run with --threads 1 (minillm.load(..., threads=1))"),
 }
+
+#: Other processes using at least this share of all cores' time during a request make its
+#: forward passes compete for the cores (on 2 cores: half a core).
+BUSY_SHARE = 0.25
 
 #: Prompts at least this long can make prefill dominate on their own; a short prompt that still
 #: dominates on the first request points to missing warm-up instead.
@@ -51,7 +62,8 @@ class Diagnosis:
 
 
 def diagnose(metrics: RequestMetrics, *, load_s: float | None = None, warmup_s: float | None = None,
-             first_request: bool = False, text: str = "", special_tokens: tuple[str, ...] = ()) -> Diagnosis:
+             first_request: bool = False, text: str = "", special_tokens: tuple[str, ...] = (),
+             load_source: str | None = None, blas_threads: int | None = None) -> Diagnosis:
     """Name the phase that dominated and what it points to.
 
     Args:
@@ -62,6 +74,10 @@ def diagnose(metrics: RequestMetrics, *, load_s: float | None = None, warmup_s: 
             count: a later request did not wait for them.
         text: the output text, checked for odd fragments (U+FFFD, leaked special tokens).
         special_tokens: the tokenizer's special-token strings (e.g. ``<|im_end|>``).
+        load_source: where the model came from (``ResolvedModel.source``: "cache" and "local" mean
+            no download or conversion happened).
+        blas_threads: the BLAS's thread count; with ``metrics.others_cpu_share`` it tells whether
+            the forward passes competed with other processes for the cores.
 
     Returns:
         :class:`Diagnosis`; ``findings[0]`` is the main one.
@@ -79,8 +95,16 @@ def diagnose(metrics: RequestMetrics, *, load_s: float | None = None, warmup_s: 
         # The warm-up ran and was the slowest phase: its one-time costs were paid before "ready".
         findings = [("warm-up", "slow to become ready (warm-up)", "warm-up: one-time costs (weights paged "
                      "in, BLAS threads started) were paid before 'ready', so requests do not pay them")]
+    elif dominant == "loading" and load_source in ("cache", "local"):
+        findings = [(dominant, *TABLE["loading (cached)"])]
     else:
         findings = [(dominant, *TABLE[dominant])]
+    share = metrics.others_cpu_share
+    if dominant in ("prefill", "decode") and (blas_threads or 1) > 1 and share >= BUSY_SHARE:
+        # Measured here: a test suite on the other core made 2-thread decode steps 725 ms, 1 thread 19 ms.
+        symptom, points_to = TABLE["threads"]
+        findings.insert(0, ("threads", f"{symptom} (other processes used {share:.0%} of the cores)",
+                            points_to.format(threads=blas_threads, cores=os.cpu_count() or "?")))
     if dominant != "warm-up" and warmup_s is None and first_request:
         findings.append(("warm-up", *TABLE["warm-up"]))
     leaked = [s for s in special_tokens if s and s in text]

@@ -22,12 +22,12 @@ from .detokenize import IncrementalDetokenizer
 from .detokenize import detokenize as _detokenize
 from .errors import ContextWindowExceeded, InvalidRequestError
 from .kv_cache import KVCache
-from .metrics import RequestMetrics
+from .metrics import RequestMetrics, cpu_snapshot, others_cpu_share
 from .sampling import SamplingParams
 from .stopping import (OutputStream, StopCriteria, StopReason, cancel_check, describe_stop, validate_stop_strings,
                        validate_stop_token_ids)
 from .diagnosis import diagnose
-from .loading import Model, load, run_warmup  # noqa: F401  (load is the lifecycle's first phase)
+from .loading import Model, blas_threads, load, run_warmup  # noqa: F401  (load is the lifecycle's first phase)
 from .metrics import kv_memory_table, weight_memory_table
 from .trace import Tracer
 
@@ -208,6 +208,7 @@ def stream(model: Model, prompt: Prompt, params: SamplingParams | None = None, *
     params = params or SamplingParams(temperature=0.0)
     rng = rng if rng is not None else np.random.default_rng(params.seed)
     request_t0 = time.perf_counter()
+    cpu_at_start = cpu_snapshot()
     metrics = RequestMetrics()
     is_chat = isinstance(prompt, list) if chat is None else chat
     ids = tokenize(model, prompt, chat=chat, tracer=tracer)
@@ -287,6 +288,7 @@ def stream(model: Model, prompt: Prompt, params: SamplingParams | None = None, *
         metrics.kv_bytes_per_token = cache.bytes_per_token
         metrics.kv_bytes_used = cache.used_bytes
         metrics.kv_bytes_reserved = cache.nbytes
+        metrics.others_cpu_share = others_cpu_share(cpu_at_start, cpu_snapshot())
         # The request's state goes away with the request: a cache we made is freed, a cache we
         # were given is emptied for the next request (its memory stays allocated).
         window = cache.max_seq_len
@@ -319,7 +321,8 @@ def stream(model: Model, prompt: Prompt, params: SamplingParams | None = None, *
 def _emit_summary(model: Model, tracer: Tracer, metrics: RequestMetrics, text: str) -> None:
     diagnosis = diagnose(metrics, load_s=model.load_s, warmup_s=model.warmup_s,
                          first_request=model.requests_served == 0, text=text,
-                         special_tokens=model.tokenizer.special_token_texts)
+                         special_tokens=model.tokenizer.special_token_texts,
+                         load_source=model.resolved.source if model.resolved else None, blas_threads=blas_threads())
     params = model.transformer.weights.num_parameters
     tracer.emit("summary", tracer.now(), metrics.total_s, load_s=model.load_s, warmup_s=model.warmup_s,
                 **metrics.to_dict(), parameters=params,

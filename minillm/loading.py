@@ -197,7 +197,15 @@ def blas_summary() -> list[str]:
     from threadpoolctl import threadpool_info
 
     return [f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture') or '?'}), "
-            f"{i.get('num_threads')} threads" for i in threadpool_info() if i.get("user_api") == "blas"]
+            f"{i.get('num_threads')} thread{'' if i.get('num_threads') == 1 else 's'}"
+            for i in threadpool_info() if i.get("user_api") == "blas"]
+
+
+def blas_threads() -> int | None:
+    """The most threads any loaded BLAS runs with now (threadpoolctl); None if none is loaded."""
+    from threadpoolctl import threadpool_info
+
+    return max((i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"), default=None)
 
 
 def run_warmup(model: Model, *, tracer: Tracer | None = None) -> float:

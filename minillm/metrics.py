@@ -5,10 +5,17 @@ Definitions (as the serving literature uses them):
 - TPOT, time per output token: the wall time of each decode step (one forward over one position
   plus sampling); reported as mean, p50 and p90.
 - prefill tokens/s = prompt tokens / prefill seconds; decode tokens/s = 1 / mean TPOT.
+- others' CPU share: the share of all cores' time that *other* processes used during the request
+  (0 to 1). A number far from 0 means the request shared the cores, and its times are not the
+  model's alone.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import resource
+import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -33,6 +40,7 @@ class RequestMetrics:
     kv_bytes_per_token: int = 0
     kv_bytes_used: int = 0
     kv_bytes_reserved: int = 0
+    others_cpu_share: float = float("nan")  # 0..1 of all cores' time used by other processes; NaN: unknown
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -60,6 +68,37 @@ class RequestMetrics:
             decode_tokens_per_s=self.decode_tokens_per_s,
         )
         return d
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """``(wall seconds, busy CPU-seconds of the whole machine, CPU-seconds of this process)`` now.
+
+    The machine's busy time is every core's time not idle, from Linux's ``/proc/stat`` (NaN where
+    there is none); this process's is user + system time of all its threads (``getrusage``).
+    """
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]  # the "cpu" line: all cores summed
+        busy = (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle, iowait
+    except (OSError, ValueError, IndexError):
+        busy = float("nan")
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), busy, own.ru_utime + own.ru_stime
+
+
+def others_cpu_share(before: tuple[float, float, float], after: tuple[float, float, float],
+                     cores: int | None = None) -> float:
+    """The share (0..1) of all cores' time that other processes used between two :func:`cpu_snapshot` s.
+
+    ``(machine busy seconds - this process's CPU seconds) / (wall seconds * cores)``; NaN when the
+    machine's busy time is unknown or no time passed.
+    """
+    (wall0, busy0, own0), (wall1, busy1, own1) = before, after
+    cores = cores or os.cpu_count() or 1
+    if math.isnan(busy0) or math.isnan(busy1) or wall1 <= wall0:
+        return float("nan")
+    others = max(0.0, (busy1 - busy0) - (own1 - own0))
+    return min(1.0, others / ((wall1 - wall0) * cores))
 
 
 def weight_memory_table(num_parameters: int) -> dict[str, int]:

@@ -186,6 +186,8 @@ class Renderer:
             ("prefill", f"{m['prefill_tokens_per_s']:,.0f} tokens/s"),
             ("decode", f"{m['decode_tokens_per_s']:,.1f} tokens/s"),
             ("total", f"{m['total_s']:.2f} s"),
+            ("other processes' CPU", "unknown" if m["others_cpu_share"] != m["others_cpu_share"]  # NaN
+             else f"{m['others_cpu_share']:.0%} of the cores"),
             ("KV cache per token", format_bytes(m["kv_bytes_per_token"])),
             ("KV cache this request", f"{format_bytes(m['kv_bytes_used'])} used of "
                                       f"{format_bytes(m['kv_bytes_reserved'])} reserved"),

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from .errors import InvalidRequestError
 
 
-class StopReason(str, enum.Enum):
+class StopReason(enum.StrEnum):
     """Why generation ended. The value is the phrase the trace prints."""
 
     EOS = "eos"  # the model emitted an end-of-sequence id (any of the EOS set)

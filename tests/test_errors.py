@@ -630,7 +630,7 @@ def test_threads_on_load_sets_the_blas_threads_and_the_trace_shows_them(folder):
     try:
         model = minillm.load(folder, progress=False, warmup=False, threads=1, tracer=tracer)
         assert _blas_threads() == {1} and model.threads == 1
-        assert all(line.endswith(", 1 threads") for line in tracer.events[0].data["blas"])
+        assert all(line.endswith(", 1 thread") for line in tracer.events[0].data["blas"])
     finally:
         threadpool_limits(limits=max(before), user_api="blas")
     assert _blas_threads() == before

@@ -214,3 +214,10 @@ def test_timeout_with_a_fake_clock():
 def test_stop_reason_values_are_what_the_trace_prints():
     assert [r.value for r in StopReason] == ["eos", "max new tokens", "stop string", "stop-token sequence",
                                              "cancelled", "timed out", "context full"]
+
+
+def test_a_stop_reason_prints_as_its_phrase():
+    from minillm.stopping import StopReason
+
+    assert f"{StopReason.STOP_STRING}" == str(StopReason.STOP_STRING) == "stop string"  # as the README shows
+    assert StopReason("context full") is StopReason.CONTEXT_FULL

@@ -453,5 +453,5 @@ def test_cli_threads_flag_runs_the_blas_on_that_many_threads(smollm2):
     assert proc.returncode == 0, proc.stderr
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     load = next(e for e in events if e["phase"] == "load")
-    assert load["data"]["blas"] and all(line.endswith(", 1 threads") for line in load["data"]["blas"])
+    assert load["data"]["blas"] and all(line.endswith(", 1 thread") for line in load["data"]["blas"])
     assert next(e for e in events if e["phase"] == "stop")["data"]["text"] == " Paris.\n"

@@ -172,3 +172,37 @@ def test_slow_decode_is_diagnosed(smollm2, monkeypatch, one_blas_thread):
     monkeypatch.setattr(smollm2.transformer, "forward", slow_decode)
     d = _diagnosis(smollm2, PROMPT, max_new_tokens=8)
     assert d["dominant"] == "decode" and d["findings"][0][1] == "slow after the first token"
+
+
+def test_others_cpu_share_from_two_snapshots():
+    from minillm.metrics import cpu_snapshot, others_cpu_share
+
+    # 2 s of wall time on 4 cores = 8 core-seconds; the machine was busy 5 s, 1 s of it ours.
+    assert others_cpu_share((10.0, 100.0, 3.0), (12.0, 105.0, 4.0), cores=4) == 0.5
+    assert others_cpu_share((10.0, 100.0, 3.0), (12.0, 101.0, 4.0), cores=4) == 0.0  # only us
+    nan = float("nan")
+    assert others_cpu_share((10.0, nan, 3.0), (12.0, nan, 4.0), cores=4) != 0.0  # unknown: NaN
+    wall, busy, own = cpu_snapshot()
+    assert wall > 0 and own > 0 and busy > 0  # Linux: /proc/stat is there
+
+
+def test_a_busy_neighbour_with_two_blas_threads_is_diagnosed_as_threads(smollm2):
+    """Another process spins on a core while the request runs on 2 BLAS threads: the summary
+    measures the others' share of the cores and the diagnosis says to use one thread."""
+    from threadpoolctl import threadpool_limits
+
+    minillm.generate(smollm2, PROMPT, GREEDY, max_new_tokens=1)  # not the first request any more
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # let it start spinning
+        with threadpool_limits(limits=2, user_api="blas"):
+            tracer = Tracer()
+            minillm.generate(smollm2, PROMPT, GREEDY, max_new_tokens=3, tracer=tracer)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    summary = tracer.events[-1].data
+    assert summary["others_cpu_share"] >= 0.25  # the spinner alone is one core's worth
+    phase, symptom, points_to = summary["diagnosis"]["findings"][0]
+    assert phase == "threads" and symptom.startswith("slow on a shared machine (other processes used ")
+    assert "run with --threads 1" in points_to
