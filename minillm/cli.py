@@ -95,8 +95,9 @@ def _cmd_models(console: Console) -> int:
     from .manifest import load_manifest
 
     table = Table(title="models (weights_manifest.toml)", title_justify="left")
-    for col in ("name", "family", "license", "cached", "sources"):
+    for col in ("name", "family", "license", "cached"):
         table.add_column(col)
+    table.add_column("sources", overflow="fold")  # package and repo names wrap, never cut short
     for name, entry in load_manifest().items():
         sources = []
         if entry.hub is not None:
