@@ -214,19 +214,19 @@ def measure_minillm(opts: dict) -> dict:
 
         prefill[str(length)] = {"seconds": timed(run, opts["repeats"], times_itself=True)}
         kv_max = max(kv_max, length * cfg.kv_bytes_per_token())
-    log("minillm decode")
+    log("minillm decode, each run followed by the matrix products alone")
 
     ids = prompt_ids(opts["decode_prompt_len"], cfg.vocab_size, opts["seed"])
     minillm_decode(minillm, model, ids, min(8, opts["new_tokens"]))  # warm-up
-    seconds, steps = [], []
+    seconds, steps, products = [], [], []
     for _ in range(opts["repeats"]):
         s, step_s, kv = minillm_decode(minillm, model, ids, opts["new_tokens"])
         seconds.append(s)
         steps.append(step_s)
         kv_max = max(kv_max, kv)
-
-    log("minillm matrix products alone")
-    products = weights_pass_seconds(weights, repeats=20 * opts["repeats"])
+        # The matrix products alone, right after each decode run: the same minutes of this shared
+        # machine's memory bandwidth, which drifts from one minute to the next.
+        products += weights_pass_seconds(weights, repeats=20)
 
     out.update({
         "prefill": prefill,
