@@ -169,9 +169,10 @@ def sliding_window_mask(seq: int, ctx: int, offset: int = 0, window: int = 4096)
     return np.where(visible, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
 
 
-def mask_picture(mask: np.ndarray) -> str:
-    """Draw an additive mask ``[seq, ctx]`` as text: ``0`` where a query may look, ``-`` where not."""
-    return "\n".join(" ".join("0" if v == 0 else "-" for v in row) for row in mask)
+def mask_picture(mask: np.ndarray, visible: str = "0", hidden: str = "-") -> str:
+    """Draw an additive mask ``[seq, ctx]`` as text, one row per query: ``visible`` where a query
+    may look, ``hidden`` where not (the trace draws ``■`` and ``·``)."""
+    return "\n".join(" ".join(visible if v == 0 else hidden for v in row) for row in mask)
 
 
 # --- attention --------------------------------------------------------------------------------------

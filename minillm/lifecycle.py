@@ -26,6 +26,7 @@ from .metrics import RequestMetrics, cpu_snapshot, others_cpu_share
 from .sampling import SamplingParams
 from .stopping import (OutputStream, StopCriteria, StopReason, cancel_check, describe_stop, validate_stop_strings,
                        validate_stop_token_ids)
+from .config import SLIDING
 from .diagnosis import diagnose
 from .loading import Model, blas_threads, load, run_warmup  # noqa: F401  (load is the lifecycle's first phase)
 from .metrics import kv_memory_table, weight_memory_table
@@ -101,8 +102,10 @@ def prefill(model: Model, ids: np.ndarray, cache: KVCache, *, tracer: Tracer | N
     logits = model.transformer.forward(ids, cache, last_only=True)[0]  # [vocab]
     if tracer:
         dt = time.perf_counter() - t0
+        sliding = model.transformer.layer_types.count(SLIDING)
         tracer.emit("prefill", start, dt, tokens=len(ids), layers=model.config.num_hidden_layers,
                     offset=cache.length - len(ids), cache_length=cache.length,
+                    sliding_window=model.config.sliding_window if sliding else None, sliding_layers=sliding,
                     candidates=_candidate_pieces(model, logits, params or SamplingParams(temperature=1.0)))
     return logits
 

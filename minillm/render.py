@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .layers import causal_mask
+from .layers import causal_mask, mask_picture, sliding_window_mask
 from .metrics import format_bytes
 from .trace import TraceEvent, Tracer
 
@@ -32,12 +32,6 @@ def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
 
 def _candidates_text(cands: list[tuple[str, float]]) -> str:
     return "  ".join(f"{p}:{prob:.2f}" for p, prob in cands)
-
-
-def mask_grid(seq: int, offset: int = 0) -> str:
-    """The causal mask as text: '■' may attend, '·' masked; one row per query position."""
-    mask = causal_mask(seq, offset + seq, offset=offset)
-    return "\n".join(" ".join("■" if v == 0 else "·" for v in row) for row in mask)
 
 
 class Renderer:
@@ -143,8 +137,14 @@ class Renderer:
         c.print(f"KV entries written: {d['layers']} layers x {d['tokens']} positions "
                 f"= {d['layers'] * d['tokens']:,} (k and v), cache length {d['cache_length']}")
         if d["tokens"] <= MASK_GRID_MAX:
+            seq, offset, window = d["tokens"], d.get("offset", 0), d.get("sliding_window")
             c.print("causal mask (row = query position, ■ = may attend):")
-            c.print(Text(mask_grid(d["tokens"], d.get("offset", 0)), style="dim"))
+            c.print(Text(mask_picture(causal_mask(seq, offset + seq, offset=offset), "■", "·"), style="dim"))
+            if window:
+                c.print(f"sliding-window mask, window {window} ({d['sliding_layers']} of {d['layers']} layers; "
+                        "each query sees itself and the window - 1 positions before it):")
+                c.print(Text(mask_picture(sliding_window_mask(seq, offset + seq, offset=offset, window=window),
+                                          "■", "·"), style="dim"))
         c.print("first-token candidates: " + escape(_candidates_text(d["candidates"])))
         if self.tracer.verbosity != "summary":
             c.print("[dim]each decode step feeds one token at position pos and samples the next:[/]")

@@ -69,6 +69,7 @@ class ScriptedTransformer:
         self.interrupt_at = interrupt_at
         self.calls = 0  # forward calls in the current request
         self.weights = SimpleNamespace(num_parameters=0)  # no real weights: the memory table shows 0
+        self.layer_types = [config.layer_type(i) for i in range(config.num_hidden_layers)]  # as Transformer
         self.fed: list[list[int]] = []  # what each forward call was given
 
     def forward(self, token_ids, cache=None, *, last_only: bool = False, capture=None) -> np.ndarray:

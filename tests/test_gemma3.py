@@ -340,7 +340,8 @@ def test_run_on_the_folder_traces_family_and_flags(gemma3):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for row in ("gemma3 (gemma3_text)", "RMSNorm x (1 + w)", "GeGLU", "qk_norm", "post_norms",
-                "embed_scale", "query_pre_attn_scalar 256", "512 on 15 of 18 layers", "10000 (sliding layers)"):
+                "embed_scale", "query_pre_attn_scalar 256", "512 on 15 of 18 layers", "10000 (sliding layers)",
+                "sliding-window mask, window 512 (15 of 18 layers;"):
         assert row in out, row
 
 

@@ -206,3 +206,18 @@ def test_a_busy_neighbour_with_two_blas_threads_is_diagnosed_as_threads(smollm2)
     phase, symptom, points_to = summary["diagnosis"]["findings"][0]
     assert phase == "threads" and symptom.startswith("slow on a shared machine (other processes used ")
     assert "run with --threads 1" in points_to
+
+
+def test_prefill_draws_the_sliding_window_mask_beside_the_causal_one():
+    """A model with sliding-window layers: the prefill shows both masks, the same way."""
+    console = Console(record=True, width=100, force_terminal=False)
+    tracer = Tracer(console, verbosity="full")
+    data = dict(tokens=6, layers=4, offset=0, cache_length=6, sliding_window=3, sliding_layers=3,
+                candidates=[("␣Paris", 0.7)])
+    tracer.emit("prefill", 0.0, 0.01, **data)
+    causal, sliding = console.export_text().split("sliding-window mask, window 3 (3 of 4 layers;")
+    assert "■ ■ ■ ■ ■ ·\n■ ■ ■ ■ ■ ■" in causal
+    assert "■ · · · · ·\n■ ■ · · · ·\n■ ■ ■ · · ·\n· ■ ■ ■ · ·\n· · ■ ■ ■ ·\n· · · ■ ■ ■" in sliding
+    tracer.emit("prefill", 0.0, 0.01, **{**data, "sliding_window": None, "sliding_layers": 0})
+    text = console.export_text()  # only the second event: export_text cleared the record
+    assert "causal mask" in text and "sliding-window mask" not in text
