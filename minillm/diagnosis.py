@@ -103,6 +103,8 @@ def diagnose(metrics: RequestMetrics, *, load_s: float | None = None, warmup_s: 
     if dominant in ("prefill", "decode") and (blas_threads or 1) > 1 and share >= BUSY_SHARE:
         # Measured here: a test suite on the other core made 2-thread decode steps 725 ms, 1 thread 19 ms.
         symptom, points_to = TABLE["threads"]
+        if dominant == "prefill" and metrics.prompt_tokens < LONG_PROMPT_TOKENS:
+            findings = [f for f in findings if f[0] != "prefill"]  # a short prompt is not why
         findings.insert(0, ("threads", f"{symptom} (other processes used {share:.0%} of the cores)",
                             points_to.format(threads=blas_threads, cores=os.cpu_count() or "?")))
     if dominant != "warm-up" and warmup_s is None and first_request:

@@ -68,6 +68,9 @@ def test_blas_threads_on_a_shared_machine_point_to_threads_first():
     # a long prompt on a shared machine: the same advice, before prefill's
     d = diagnose(busy(0.5, steps=(0.01,), prompt_tokens=1024, ttft=3.0), load_s=1.0, warmup_s=0.2, blas_threads=2)
     assert [f[0] for f in d.findings] == ["threads", "prefill"]
+    # a short prompt whose prefill was slow only because of the neighbour: the prompt is not blamed
+    d = diagnose(busy(0.5, steps=(0.01,), prompt_tokens=5, ttft=3.0), load_s=1.0, warmup_s=0.2, blas_threads=2)
+    assert d.dominant == "prefill" and [f[0] for f in d.findings] == ["threads"]
 
 
 def test_no_threads_finding_on_a_quiet_machine_one_thread_or_unknown_share():
