@@ -252,7 +252,7 @@ def weights_pass_seconds(weights, repeats: int) -> list[float]:
     every projection of every layer and the LM head (``layers.linear``, the forward's own
     function), each pass timed. No norms, attention, RoPE or Python between them: the fastest a
     NumPy decode step over these float32 weights can be on this BLAS and memory."""
-    from minillm.layers import linear
+    from minillm.model.primitives import linear
 
     matrices = [w for layer in weights.layers for w in layer.projections()] + [weights.lm_head]
     inputs = [np.ones((1, w.shape[1]), dtype=np.float32) for w in matrices]  # [1, in]
@@ -335,7 +335,7 @@ def measure_torch(opts: dict, attn: str) -> dict:
     t1 = time.perf_counter()
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(opts["threads"])
-    from minillm.hub import resolve_model  # only to find the cached folder; no weights read
+    from minillm.sources.hub import resolve_model  # only to find the cached folder; no weights read
 
     folder = resolve_model(opts["model"], progress=False).path
     t2 = time.perf_counter()
@@ -423,7 +423,7 @@ WORKERS = {
 def _cpu_snapshot() -> tuple[float, float, float]:
     """(wall s, busy CPU-seconds of the whole machine, CPU-seconds of this process) now.
 
-    The same as ``minillm.metrics.cpu_snapshot``, kept here because the torch workers must not
+    The same as ``minillm.observe.metrics.cpu_snapshot``, kept here because the torch workers must not
     import minillm: their peak RSS is theirs alone."""
     ticks = os.sysconf("SC_CLK_TCK")
     try:

@@ -7,30 +7,42 @@
     tok = minillm.sample(logits, minillm.SamplingParams(temperature=0.0))
     logits = minillm.decode_step(model, tok, cache)      # cache.length += 1
     print(minillm.detokenize(model, [tok]))
+
+The folder reads as the system: ``model/`` (the math), ``text/`` (tokens <-> text),
+``runtime/`` (the request lifecycle), ``observe/`` (trace, metrics, diagnosis: listeners),
+``sources/`` (finding and fetching models).
 """
 
-from .config import ModelConfig
-from .errors import MiniLLMError
-from .kv_cache import KVCache
-from .lifecycle import (
-    GenerationResult,
-    Model,
-    decode_step,
-    detokenize,
-    generate,
-    load,
-    prefill,
-    sample,
-    stream,
-    tokenize,
-)
-from .sampling import SamplingParams
-from .stopping import StopReason
-from .loading import run_warmup
-from .trace import TraceEvent, Tracer, plot_timeline
+from minillm.errors import MiniLLMError
+from minillm.model.config import ModelConfig
+from minillm.model.kv_cache import KVCache
+from minillm.observe.events import TraceEvent, Tracer, plot_timeline
+from minillm.runtime.generate import generate, stream
+from minillm.runtime.loading import Model, load, run_warmup
+from minillm.runtime.request import GenerationResult
+from minillm.runtime.sampling import SamplingParams
+from minillm.runtime.steps import decode_step, detokenize, prefill, sample, tokenize
+from minillm.runtime.stopping import StopReason
 
 __all__ = [
-    "GenerationResult", "KVCache", "MiniLLMError", "Model", "ModelConfig", "SamplingParams", "StopReason",
-    "TraceEvent", "Tracer", "decode_step", "detokenize", "generate", "load", "prefill", "plot_timeline", "run_warmup", "sample", "stream", "tokenize",
+    "GenerationResult",
+    "KVCache",
+    "MiniLLMError",
+    "Model",
+    "ModelConfig",
+    "SamplingParams",
+    "StopReason",
+    "TraceEvent",
+    "Tracer",
+    "decode_step",
+    "detokenize",
+    "generate",
+    "load",
+    "plot_timeline",
+    "prefill",
+    "run_warmup",
+    "sample",
+    "stream",
+    "tokenize",
 ]
 __version__ = "0.1.0"

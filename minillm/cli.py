@@ -22,13 +22,17 @@ import threading
 from rich.console import Console
 from rich.table import Table
 
-from .errors import MiniLLMError
+from minillm.errors import MiniLLMError
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--model", "-m", default=None,
-                   help="a name from `minillm models` or a local model folder (default: the manifest's default)")
+    p.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help="a name from `minillm models` or a local model folder (default: the manifest's default)",
+    )
     p.add_argument("--max-new-tokens", "-n", type=int, default=48, help="budget of new tokens (default 48)")
     p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -36,33 +40,81 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x top probability")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same tokens)")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="stop when TEXT appears in the output, which is cut before it (repeatable; "
-                        "in bash, $'\\n' is a newline)")
-    p.add_argument("--stop-token-ids", action="append", default=None, type=_id_list, metavar="IDS",
-                   help="stop when these comma-separated ids appear in a row, e.g. 2 or 28,29 (repeatable)")
-    p.add_argument("--include-stop-string", action="store_true",
-                   help="keep the matched stop string (or stop sequence's text) in the output")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="wall-clock deadline for the request; it stops with reason 'timed out'")
-    p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
-                   help="KV-cache size in positions (default prompt + max new tokens, at most the context); "
-                        "prompt + new tokens never exceed it (reason 'context full')")
-    p.add_argument("--verbosity", "-v", choices=("quiet", "summary", "steps", "full"), default="steps",
-                   help="how much of the trace to print (default steps)")
-    p.add_argument("--trace", choices=("rich", "json"), default="rich",
-                   help="rich: the readable trace (default); json: the events as JSON lines on stdout")
-    p.add_argument("--trace-json", metavar="PATH", default=None,
-                   help="also write the trace events as JSON lines to PATH")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="BLAS threads for the matrix multiplies (threadpoolctl; default: all cores)")
-    p.add_argument("--adapter", action="append", default=None, metavar="PATH",
-                   help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors); repeatable")
-    p.add_argument("--adapter-mode", choices=("merged", "unmerged"), default="merged",
-                   help="merged: folded into the weights at load (default, no cost per token); "
-                        "unmerged: the low-rank path computed in every forward")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="skip the warm-up request (the first request then pays one-time costs)")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="stop when TEXT appears in the output, which is cut before it (repeatable; in bash, $'\\n' is a newline)",
+    )
+    p.add_argument(
+        "--stop-token-ids",
+        action="append",
+        default=None,
+        type=_id_list,
+        metavar="IDS",
+        help="stop when these comma-separated ids appear in a row, e.g. 2 or 28,29 (repeatable)",
+    )
+    p.add_argument(
+        "--include-stop-string",
+        action="store_true",
+        help="keep the matched stop string (or stop sequence's text) in the output",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="wall-clock deadline for the request; it stops with reason 'timed out'",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV-cache size in positions (default prompt + max new tokens, at most the context); "
+        "prompt + new tokens never exceed it (reason 'context full')",
+    )
+    p.add_argument(
+        "--verbosity",
+        "-v",
+        choices=("quiet", "summary", "steps", "full"),
+        default="steps",
+        help="how much of the trace to print (default steps)",
+    )
+    p.add_argument(
+        "--trace",
+        choices=("rich", "json"),
+        default="rich",
+        help="rich: the readable trace (default); json: the events as JSON lines on stdout",
+    )
+    p.add_argument(
+        "--trace-json", metavar="PATH", default=None, help="also write the trace events as JSON lines to PATH"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="BLAS threads for the matrix multiplies (threadpoolctl; default: all cores)",
+    )
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors); repeatable",
+    )
+    p.add_argument(
+        "--adapter-mode",
+        choices=("merged", "unmerged"),
+        default="merged",
+        help="merged: folded into the weights at load (default, no cost per token); "
+        "unmerged: the low-rank path computed in every forward",
+    )
+    p.add_argument(
+        "--no-warmup", action="store_true", help="skip the warm-up request (the first request then pays one-time costs)"
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -91,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_models(console: Console) -> int:
-    from .hub import cache_root
-    from .manifest import load_manifest
+    from minillm.sources.hub import cache_root
+    from minillm.sources.manifest import load_manifest
 
     table = Table(title="models (weights_manifest.toml)", title_justify="left")
     for col in ("name", "family", "license", "cached"):
@@ -105,8 +157,9 @@ def _cmd_models(console: Console) -> int:
         if entry.offline is not None:
             sources.append(f"offline {entry.offline.summary()}")
         cached = "yes" if (cache_root() / "models" / name).is_dir() else "no"
-        table.add_row(name + (" (default)" if entry.default else ""), entry.family, entry.license,
-                      cached, "\n".join(sources))
+        table.add_row(
+            name + (" (default)" if entry.default else ""), entry.family, entry.license, cached, "\n".join(sources)
+        )
     console.print(table)
     return 0
 
@@ -115,34 +168,47 @@ def _check_request_args(args: argparse.Namespace) -> None:
     """Refuse what would fail later, before the model loads (errors name the fix)."""
     from pathlib import Path
 
-    from .errors import InvalidRequestError
+    from minillm.errors import InvalidRequestError
 
     if not args.prompt:
         raise InvalidRequestError("the prompt is empty; give at least one character.")
     if args.trace_json:
         folder = Path(args.trace_json).expanduser().resolve().parent
         if not folder.is_dir():
-            raise InvalidRequestError(f"--trace-json {args.trace_json}: folder {folder} does not exist; "
-                                      "create it or give another path.")
+            raise InvalidRequestError(
+                f"--trace-json {args.trace_json}: folder {folder} does not exist; create it or give another path."
+            )
     if args.threads is not None and args.threads < 1:
         raise InvalidRequestError(f"--threads must be >= 1, got {args.threads}.")
 
 
 def _cmd_request(args: argparse.Namespace, console: Console) -> int:
-    from . import lifecycle
-    from .sampling import SamplingParams
-    from .stopping import StopReason
-    from .trace import Tracer
+    import minillm  # the public API: load, stream
+    from minillm.observe.events import Tracer
+    from minillm.runtime.sampling import SamplingParams
+    from minillm.runtime.stopping import StopReason
 
     _check_request_args(args)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
 
     tracer = Tracer(console if args.trace == "rich" else None, verbosity=args.verbosity)
-    model = lifecycle.load(args.model, tracer=tracer, warmup=not args.no_warmup, adapters=args.adapter,
-                           merge_adapters=args.adapter_mode == "merged", threads=args.threads)
+    model = minillm.load(
+        args.model,
+        tracer=tracer,
+        warmup=not args.no_warmup,
+        adapters=args.adapter,
+        merge_adapters=args.adapter_mode == "merged",
+        threads=args.threads,
+    )
     if args.command == "chat":
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = [{"role": "system", "content": args.system}] if args.system else []
         prompt: str | list = messages + [{"role": "user", "content": args.prompt}]
     else:
         prompt = args.prompt
@@ -157,11 +223,21 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
     previous = signal.signal(signal.SIGINT, on_sigint) if in_main else None
     results: list = []
     try:
-        for delta in lifecycle.stream(model, prompt, params, max_new_tokens=args.max_new_tokens,
-                                      chat=args.command == "chat", tracer=tracer, stop=args.stop,
-                                      stop_token_ids=args.stop_token_ids,
-                                      include_stop_string=args.include_stop_string, timeout_s=args.timeout,
-                                      max_seq_len=args.max_seq_len, cancel=cancel, result=results):
+        for delta in minillm.stream(
+            model,
+            prompt,
+            params,
+            max_new_tokens=args.max_new_tokens,
+            chat=args.command == "chat",
+            tracer=tracer,
+            stop=args.stop,
+            stop_token_ids=args.stop_token_ids,
+            include_stop_string=args.include_stop_string,
+            timeout_s=args.timeout,
+            max_seq_len=args.max_seq_len,
+            cancel=cancel,
+            result=results,
+        ):
             if args.verbosity == "quiet":  # only the text, as it arrives
                 sys.stdout.write(delta)
                 sys.stdout.flush()
@@ -177,8 +253,9 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
         with open(args.trace_json, "w", encoding="utf-8") as f:
             f.write(tracer.to_jsonl())
     if result.stop_reason is StopReason.CANCELLED:
-        Console(stderr=True).print(f"[yellow]cancelled[/] by Ctrl-C after {len(result.ids)} new tokens; "
-                                   "the partial output is above")
+        Console(stderr=True).print(
+            f"[yellow]cancelled[/] by Ctrl-C after {len(result.ids)} new tokens; the partial output is above"
+        )
         return 130
     return 0
 

@@ -11,9 +11,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from minillm.config import ModelConfig
-from minillm.lifecycle import Model
-from minillm.tokenizer import Tokenizer
+from minillm.model.config import ModelConfig
+from minillm.model.transformer import Transformer
+from minillm.runtime.loading import Model
+from minillm.text.tokenizer import Tokenizer
 
 PIECES = ["AB", "C", "DEF", "G", "HI", "J", "KL", "X", "DE", "Y", "Z", "w", "<start_of_turn>", "user", "model"]
 EOT = 106  # '<end_of_turn>' (Gemma 3's second EOS id); a plain vocabulary entry here, not special
@@ -51,7 +52,7 @@ def word_tokenizer_folder(path: Path) -> Path:
 
 
 class ScriptedTransformer:
-    """Stands in for ``minillm.model.Transformer``: writes nothing but advances the cache like the
+    """Stands in for ``minillm.model.transformer.Transformer``: writes nothing but advances the cache like the
     real one, and returns logits whose argmax is the next id of ``script`` (then ``filler``).
 
     ``logits`` (a ``[vocab]`` array) replaces the one-hot scores when given; ``delay_s`` makes each
@@ -71,6 +72,8 @@ class ScriptedTransformer:
         self.weights = SimpleNamespace(num_parameters=0)  # no real weights: the memory table shows 0
         self.layer_types = [config.layer_type(i) for i in range(config.num_hidden_layers)]  # as Transformer
         self.fed: list[list[int]] = []  # what each forward call was given
+
+    masks = Transformer.masks  # the real masks, from config and layer_types (the trace draws them)
 
     def forward(self, token_ids, cache=None, *, last_only: bool = False, capture=None) -> np.ndarray:
         token_ids = np.asarray(token_ids, dtype=np.int64)
@@ -96,7 +99,7 @@ class ScriptedTransformer:
 
 
 def scripted_model(tokenizer: Tokenizer, script: list[int], *, context: int = 256, **kwargs) -> Model:
-    """A :class:`minillm.lifecycle.Model` around :class:`ScriptedTransformer`."""
+    """A :class:`minillm.runtime.loading.Model` around :class:`ScriptedTransformer`."""
     config = ModelConfig.from_dict({
         "model_type": "llama", "vocab_size": tokenizer.vocab_size, "hidden_size": 8, "intermediate_size": 16,
         "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from minillm.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer, detokenize
-from minillm.tokenizer import Tokenizer
+from minillm.text.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer, detokenize
+from minillm.text.tokenizer import Tokenizer
 
 from test_tokenizer import smollm2_tokenizer_folder  # the shared, session-cached folder builder
 

@@ -1,7 +1,7 @@
 """The diagnosis table: each slow phase is named, from measured (here: constructed) times."""
 
-from minillm.diagnosis import TABLE, diagnose
-from minillm.metrics import RequestMetrics
+from minillm.observe.diagnosis import TABLE, diagnose
+from minillm.runtime.request import RequestMetrics
 
 
 def metrics(prompt_tokens=8, ttft=0.05, steps=(0.016,) * 16):
@@ -54,30 +54,29 @@ def test_a_later_request_is_not_blamed_on_loading_or_warmup():
 
 
 def busy(share, steps=(0.2,) * 40, prompt_tokens=8, ttft=0.05):
-    m = metrics(prompt_tokens=prompt_tokens, ttft=ttft, steps=steps)
-    m.others_cpu_share = share
-    return m
+    """diagnose()'s arguments for a request during which other processes used ``share`` of the cores."""
+    return {"metrics": metrics(prompt_tokens=prompt_tokens, ttft=ttft, steps=steps), "others_cpu_share": share}
 
 
 def test_blas_threads_on_a_shared_machine_point_to_threads_first():
-    d = diagnose(busy(0.45), load_s=1.0, warmup_s=0.2, blas_threads=2)
+    d = diagnose(**busy(0.45), load_s=1.0, warmup_s=0.2, blas_threads=2)
     assert d.dominant == "decode" and [f[0] for f in d.findings] == ["threads", "decode"]
     assert d.main[1] == "slow on a shared machine (other processes used 45% of the cores)"
     assert d.main[2].startswith("threads: 2 BLAS threads compete with other processes for ")
     assert d.main[2].endswith("run with --threads 1 (minillm.load(..., threads=1))")
     # a long prompt on a shared machine: the same advice, before prefill's
-    d = diagnose(busy(0.5, steps=(0.01,), prompt_tokens=1024, ttft=3.0), load_s=1.0, warmup_s=0.2, blas_threads=2)
+    d = diagnose(**busy(0.5, steps=(0.01,), prompt_tokens=1024, ttft=3.0), load_s=1.0, warmup_s=0.2, blas_threads=2)
     assert [f[0] for f in d.findings] == ["threads", "prefill"]
     # a short prompt whose prefill was slow only because of the neighbour: the prompt is not blamed
-    d = diagnose(busy(0.5, steps=(0.01,), prompt_tokens=5, ttft=3.0), load_s=1.0, warmup_s=0.2, blas_threads=2)
+    d = diagnose(**busy(0.5, steps=(0.01,), prompt_tokens=5, ttft=3.0), load_s=1.0, warmup_s=0.2, blas_threads=2)
     assert d.dominant == "prefill" and [f[0] for f in d.findings] == ["threads"]
 
 
 def test_no_threads_finding_on_a_quiet_machine_one_thread_or_unknown_share():
     for share, threads in [(0.1, 2), (0.6, 1), (float("nan"), 2), (0.6, None)]:
-        d = diagnose(busy(share), load_s=1.0, warmup_s=0.2, blas_threads=threads)
+        d = diagnose(**busy(share), load_s=1.0, warmup_s=0.2, blas_threads=threads)
         assert [f[0] for f in d.findings] == ["decode"], (share, threads)
-    d = diagnose(busy(0.6, steps=(0.01,)), load_s=30.0, warmup_s=0.2, first_request=True, blas_threads=2)
+    d = diagnose(**busy(0.6, steps=(0.01,)), load_s=30.0, warmup_s=0.2, first_request=True, blas_threads=2)
     assert [f[0] for f in d.findings] == ["loading"]  # slow loading is not the BLAS threads' fault
 
 

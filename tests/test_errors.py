@@ -37,13 +37,13 @@ import numpy as np
 import pytest
 
 import minillm
-from minillm.config import ModelConfig
+from minillm.model.config import ModelConfig
 from minillm.errors import (ChatTemplateError, ConfigError, ContextWindowExceeded, GGUFError, InvalidRequestError,
                             KVCacheFullError, KVCacheMismatchError, ManifestError, MiniLLMError, ModelNotFoundError,
                             SamplingParamsError, TokenizerError, WeightsError)
-from minillm.kv_cache import KVCache
-from minillm.model import Transformer
-from minillm.tokenizer import Tokenizer
+from minillm.model.kv_cache import KVCache
+from minillm.model.transformer import Transformer
+from minillm.text.tokenizer import Tokenizer
 
 from scripted import scripted_model, word_tokenizer_folder
 
@@ -310,7 +310,7 @@ def tiny_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray] = {}) -> Pat
 
 
 def test_gguf_bad_magic(tmp_path):
-    from minillm.gguf_import import import_gguf
+    from minillm.sources.gguf_import import import_gguf
 
     file = tiny_gguf(tmp_path / "m.gguf", "llama")
     file.write_bytes(b"<htm" + file.read_bytes()[4:])  # what a saved error page starts with
@@ -321,7 +321,7 @@ def test_gguf_bad_magic(tmp_path):
 
 
 def test_gguf_architecture_not_converted(tmp_path):
-    from minillm.gguf_import import import_gguf
+    from minillm.sources.gguf_import import import_gguf
 
     file = tiny_gguf(tmp_path / "m.gguf", "mamba")
     with pytest.raises(GGUFError, match=r"m.gguf: architecture 'mamba' is not supported \(supported: "
@@ -331,7 +331,7 @@ def test_gguf_architecture_not_converted(tmp_path):
 
 
 def test_gguf_quantization_type_not_read(tmp_path):
-    from minillm.gguf_import import import_gguf
+    from minillm.sources.gguf_import import import_gguf
 
     # gguf.quants cannot dequantize integer tensors: I32 stands in for any such type
     file = tiny_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": np.zeros(32, np.int32)})
@@ -505,7 +505,9 @@ def test_kv_cache_full_and_built_for_another_model(folder):
         model.transformer.forward(np.arange(3), other)
     with pytest.raises(KVCacheFullError, match=f"max_seq_len=33 is longer than the model's context of {CONTEXT}"):
         KVCache.for_model(model.config, max_seq_len=CONTEXT + 1)
-    with pytest.raises(ContextWindowExceeded, match="prompt is 4 tokens but the KV cache holds 2 more"):
+    # prefill's prompt meets the forward's one room check: the numbers and the fix
+    with pytest.raises(ContextWindowExceeded, match=r"the KV cache holds 2 positions, 0 are filled and 4 more were "
+                                                    r"asked for; shorten the prompt"):
         minillm.prefill(model, np.arange(4), KVCache.for_model(model.config, max_seq_len=2))
 
 
@@ -548,7 +550,7 @@ def test_code_in_a_model_folder_never_runs(folder):
 
 
 def test_the_source_never_runs_remote_code_or_unpickles():
-    source = "\n".join(p.read_text() for p in (ROOT / "minillm").glob("*.py"))
+    source = "\n".join(p.read_text() for p in (ROOT / "minillm").rglob("*.py"))
     for forbidden in ("trust_remote_code=True", "import pickle", "torch.load", "exec(", "eval(", "jinja2.Environment("):
         assert forbidden not in source, forbidden
     assert "ImmutableSandboxedEnvironment(" in source
@@ -576,7 +578,7 @@ files = ["config.json", "{path}"]
 ''')
     with pytest.raises(ManifestError, match=rf"models.tiny.hub.files lists '{re.escape(path)}', which is not a plain "
                                             r"path inside the model folder \(no absolute paths, no '\.\.'\)"):
-        minillm.manifest.load_manifest(manifest)
+        minillm.sources.manifest.load_manifest(manifest)
 
 
 # --- the CLI -------------------------------------------------------------------------------------

@@ -19,12 +19,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from minillm import layers
-from minillm.config import ModelConfig
+from minillm.model import primitives
+from minillm.model.config import ModelConfig
 from minillm.errors import ConfigError, WeightsError
-from minillm.kv_cache import KVCache
-from minillm.model import Transformer
-from minillm.weights import load_weights, read_safetensors_header
+from minillm.model.kv_cache import KVCache
+from minillm.model.transformer import Transformer
+from minillm.model.weights import load_weights
+from minillm.observe.describe import config_rows, mask_picture
+from minillm.sources.safetensors_file import read_safetensors_header
 
 VOCAB = 300
 PROMPT = 24  # positions compared: 16 in prefill, then 8 decode steps
@@ -207,7 +209,7 @@ def test_llama3_rope_scaling_changes_the_logits(built, tmp_path):
     assert np.abs(unscaled - hf_logits(hf_plain, ids)).max() < TOLERANCE
     assert np.abs(scaled - hf_logits(hf, ids)).max() < TOLERANCE
     for model, hf_model in ((folder, hf), (plain, hf_plain)):
-        inv = layers.rope_inverse_frequencies(8, 500000.0, ModelConfig.from_folder(model).rope_scaling)
+        inv = primitives.rope_inverse_frequencies(8, 500000.0, ModelConfig.from_folder(model).rope_scaling)
         np.testing.assert_allclose(inv, hf_model.model.rotary_emb.inv_freq.numpy(), rtol=2e-7, atol=0)
 
 
@@ -233,20 +235,20 @@ def test_hub_dialect_config_reads_the_same(built, tmp_path):
 def test_config_summary_shows_what_sets_a_family_apart():
     base = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                 num_attention_heads=4, num_key_value_heads=1, head_dim=32)
-    gemma = ModelConfig.from_dict({**base, "model_type": "gemma3_text", "sliding_window": 8}).summary()
+    gemma = config_rows(ModelConfig.from_dict({**base, "model_type": "gemma3_text", "sliding_window": 8}))
     assert gemma["family"] == "gemma3 (gemma3_text)"
     assert gemma["norm"] == "RMSNorm x (1 + w), eps 1e-06" and gemma["mlp"] == "GeGLU"
     assert gemma["sliding_window"] == "8 on 5 of 6 layers" and gemma["rope_local_theta"].startswith("10000")
     assert {"qk_norm", "post_norms", "embed_scale", "attn_scale"} <= gemma.keys()
-    llama = ModelConfig.from_dict({**base, "model_type": "llama", "head_dim": 16}).summary()
+    llama = config_rows(ModelConfig.from_dict({**base, "model_type": "llama", "head_dim": 16}))
     assert llama["mlp"] == "SwiGLU" and llama["positions"] == "RoPE theta 10000"
     assert not {"qk_norm", "post_norms", "embed_scale", "sliding_window", "biases"} & llama.keys()
-    gpt2 = ModelConfig.from_dict({"model_type": "gpt2", "vocab_size": 300, "n_embd": 64, "n_layer": 2,
-                                  "n_head": 4}).summary()
+    gpt2 = config_rows(ModelConfig.from_dict({"model_type": "gpt2", "vocab_size": 300, "n_embd": 64, "n_layer": 2,
+                                  "n_head": 4}))
     assert gpt2["positions"] == "learned table [1024, 64]" and gpt2["norm"].startswith("LayerNorm")
     assert gpt2["biases"] == "q/k/v, o, mlp" and gpt2["mlp"] == "up, GELU tanh, down" and gpt2["ffn"] == 256
-    qwen2 = ModelConfig.from_dict({**base, "model_type": "qwen2", "use_sliding_window": False,
-                                   "sliding_window": 4096}).summary()
+    qwen2 = config_rows(ModelConfig.from_dict({**base, "model_type": "qwen2", "use_sliding_window": False,
+                                   "sliding_window": 4096}))
     assert qwen2["biases"] == "q/k/v" and "sliding_window" not in qwen2
 
 
@@ -267,20 +269,20 @@ def test_unsupported_variants_are_config_errors():
 
 # --- the sliding-window mask ------------------------------------------------------------------------
 def test_sliding_window_mask_is_its_picture():
-    mask = layers.sliding_window_mask(6, 6, offset=0, window=3)
-    doc = layers.sliding_window_mask.__doc__
+    mask = primitives.sliding_window_mask(6, 6, offset=0, window=3)
+    doc = primitives.sliding_window_mask.__doc__
     rows = [line.strip() for line in doc.splitlines() if line.strip().startswith(("0 ", "- "))]
     prefill = [r[:11] for r in rows]  # the left picture: 6 rows of "x x x x x x"
-    assert layers.mask_picture(mask).splitlines() == prefill
-    step = layers.sliding_window_mask(1, 7, offset=6, window=3)  # decode at position 6 sees 4, 5, 6
-    assert layers.mask_picture(step) == rows[0][11:].strip()
+    assert mask_picture(mask).splitlines() == prefill
+    step = primitives.sliding_window_mask(1, 7, offset=6, window=3)  # decode at position 6 sees 4, 5, 6
+    assert mask_picture(step) == rows[0][11:].strip()
     assert mask.dtype == np.float32 and np.isneginf(mask[3, 0]) and mask[3, 1] == 0
 
 
 @pytest.mark.parametrize("seq, offset, window", [(5, 0, 3), (1, 9, 4), (4, 6, 2), (8, 0, 100), (3, 2, 1)])
 def test_sliding_window_is_causal_and_at_most_window_back(seq, offset, window):
-    mask = layers.sliding_window_mask(seq, offset + seq, offset=offset, window=window)
-    causal = layers.causal_mask(seq, offset + seq, offset=offset)
+    mask = primitives.sliding_window_mask(seq, offset + seq, offset=offset, window=window)
+    causal = primitives.causal_mask(seq, offset + seq, offset=offset)
     visible = mask == 0
     assert not (visible & np.isneginf(causal)).any()  # never sees the future
     assert (visible.sum(axis=1) == np.minimum(offset + np.arange(seq) + 1, window)).all()

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm import layers
-from minillm.config import ModelConfig
+from minillm.model import primitives
+from minillm.model.config import ModelConfig
 from minillm.errors import KVCacheFullError, KVCacheMismatchError
-from minillm.kv_cache import KVCache
-from minillm.model import Transformer
-from minillm.weights import load_weights
+from minillm.model.kv_cache import KVCache
+from minillm.model.transformer import Transformer
+from minillm.model.weights import load_weights
 
 VOCAB = 300
 
@@ -83,14 +83,14 @@ def test_changing_a_later_token_never_changes_earlier_logits(tiny_llama, data):
 
 
 def test_causal_mask_picture():
-    mask = layers.causal_mask(4, 4)
+    mask = primitives.causal_mask(4, 4)
     assert (mask == 0).tolist() == [
         [True, False, False, False],
         [True, True, False, False],
         [True, True, True, False],
         [True, True, True, True],
     ]
-    step = layers.causal_mask(1, 5, offset=4)  # a decode step at position 4 sees all 5 keys
+    step = primitives.causal_mask(1, 5, offset=4)  # a decode step at position 4 sees all 5 keys
     assert (step == 0).all() and step.shape == (1, 5)
     assert mask.dtype == np.float32 and np.isneginf(mask[0, 1])
 

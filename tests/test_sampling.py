@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from minillm.errors import InvalidRequestError, SamplingParamsError
-from minillm.sampling import (
+from minillm.runtime.sampling import (
     SamplingParams, apply_min_p, apply_repetition_penalty, apply_temperature, apply_top_k, apply_top_p,
     candidates, process_logits, sample, softmax,
 )

@@ -111,7 +111,7 @@ def test_second_run_uses_the_cache_without_network_or_conversion(smollm2, tmp_pa
             raise RuntimeError("network call attempted")
         socket.socket.connect = _no_network
         socket.create_connection = _no_network
-        import minillm.gguf_import as gi
+        import minillm.sources.gguf_import as gi
         def _no_conversion(*args, **kwargs):
             raise RuntimeError("conversion attempted")
         gi.import_gguf = _no_conversion

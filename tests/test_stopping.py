@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.errors import InvalidRequestError
-from minillm.stopping import (
-    OutputStream, StopCriteria, StopReason, StopSequenceMatcher, StopStringMatcher, cancel_check,
+from minillm.runtime.request import OutputStream
+from minillm.runtime.stopping import (
+    StopCriteria, StopReason, StopSequenceMatcher, StopStringMatcher, cancel_check,
 )
 
 
@@ -217,7 +218,7 @@ def test_stop_reason_values_are_what_the_trace_prints():
 
 
 def test_a_stop_reason_prints_as_its_phrase():
-    from minillm.stopping import StopReason
+    from minillm.runtime.stopping import StopReason
 
     assert f"{StopReason.STOP_STRING}" == str(StopReason.STOP_STRING) == "stop string"  # as the README shows
     assert StopReason("context full") is StopReason.CONTEXT_FULL

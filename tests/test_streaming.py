@@ -17,9 +17,9 @@ import pytest
 
 import minillm
 from minillm import KVCache, SamplingParams, StopReason, Tracer
-from minillm.detokenize import REPLACEMENT_CHAR, detokenize
+from minillm.text.detokenize import REPLACEMENT_CHAR, detokenize
 from minillm.errors import ContextWindowExceeded, InvalidRequestError
-from minillm.tokenizer import Tokenizer
+from minillm.text.tokenizer import Tokenizer
 
 from scripted import EOT, ids_of, scripted_model, word_tokenizer_folder
 from test_detokenize import byte_fallback_folder
@@ -167,7 +167,7 @@ def test_cancel_event_set_after_the_third_delta_stops_at_three_tokens(wtok):
             cancel.set()
     r = result[0]
     assert deltas == ["AB", "C", "DEF"] and r.text == "ABCDEF" and len(r.ids) == 3
-    assert r.stop_reason is StopReason.CANCELLED and r.stop_condition == "cancel was set"
+    assert r.stop_reason is StopReason.CANCELLED and r.stop_condition == "the cancel event was set"
     assert model.transformer.calls == 3  # the cancel was seen before a 4th forward pass
 
 
@@ -367,7 +367,7 @@ def test_trace_shows_kept_candidates_and_their_probabilities(smollm2, params, mo
     (prefill,) = [e.data for e in tracer.events if e.phase == "prefill"]
     ids = minillm.tokenize(smollm2, prompt)
     logits = minillm.prefill(smollm2, ids, KVCache.for_model(smollm2.config, max_seq_len=len(ids)))
-    probs = minillm.sampling.softmax(minillm.sampling.process_logits(logits, params, ids))
+    probs = minillm.runtime.sampling.softmax(minillm.runtime.sampling.process_logits(logits, params, ids))
     kept = np.flatnonzero(probs > 0)
     expected = sorted(kept.tolist(), key=lambda i: -probs[i])[:5]
     assert [p for p, _ in prefill["candidates"]] == [smollm2.tokenizer.piece_for_display(i) for i in expected]

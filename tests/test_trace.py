@@ -12,7 +12,7 @@ from rich.console import Console
 
 import minillm
 from minillm import SamplingParams, Tracer
-from minillm.trace import TraceEvent
+from minillm.observe.events import TraceEvent
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = "The capital of France is"
@@ -122,15 +122,15 @@ def _diagnosis(model, prompt, **kwargs):
 
 
 def test_slow_loading_is_diagnosed(monkeypatch, one_blas_thread):
-    import minillm.loading
+    import minillm.runtime.loading
 
-    real = minillm.loading.load_weights
+    real = minillm.runtime.loading.load_weights
 
     def slow_load_weights(*args, **kwargs):
         time.sleep(3.0)  # an injected delay: a slow disk or a conversion
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(minillm.loading, "load_weights", slow_load_weights)
+    monkeypatch.setattr(minillm.runtime.loading, "load_weights", slow_load_weights)
     model = minillm.load("smollm2-135m-instruct", progress=False)
     d = _diagnosis(model, PROMPT, max_new_tokens=3)
     assert d["dominant"] == "loading" and d["findings"][0][1] == "slow to become ready"
@@ -175,7 +175,7 @@ def test_slow_decode_is_diagnosed(smollm2, monkeypatch, one_blas_thread):
 
 
 def test_others_cpu_share_from_two_snapshots():
-    from minillm.metrics import cpu_snapshot, others_cpu_share
+    from minillm.observe.metrics import cpu_snapshot, others_cpu_share
 
     # 2 s of wall time on 4 cores = 8 core-seconds; the machine was busy 5 s, 1 s of it ours.
     assert others_cpu_share((10.0, 100.0, 3.0), (12.0, 105.0, 4.0), cores=4) == 0.5
@@ -209,15 +209,26 @@ def test_a_busy_neighbour_with_two_blas_threads_is_diagnosed_as_threads(smollm2)
 
 
 def test_prefill_draws_the_sliding_window_mask_beside_the_causal_one():
-    """A model with sliding-window layers: the prefill shows both masks, the same way."""
-    console = Console(record=True, width=100, force_terminal=False)
-    tracer = Tracer(console, verbosity="full")
-    data = dict(tokens=6, layers=4, offset=0, cache_length=6, sliding_window=3, sliding_layers=3,
-                candidates=[("␣Paris", 0.7)])
-    tracer.emit("prefill", 0.0, 0.01, **data)
-    causal, sliding = console.export_text().split("sliding-window mask, window 3 (3 of 4 layers;")
+    """A model with sliding-window layers: the prefill shows both masks the forward used, the same way."""
+    from types import SimpleNamespace
+
+    from minillm.model.config import ModelConfig
+    from minillm.model.transformer import Transformer
+
+    def traced_prefill(model_type, **extra):
+        config = ModelConfig.from_dict({"model_type": model_type, "vocab_size": 300, "hidden_size": 64,
+                                        "intermediate_size": 128, "num_hidden_layers": 4,
+                                        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, **extra})
+        model = SimpleNamespace(config=config, transformer=Transformer(config, weights=None))  # masks need no weights
+        console = Console(record=True, width=100, force_terminal=False)
+        tracer = Tracer(console, verbosity="full")
+        tracer.on_event("prefill", tracer.t0, 0.01, model, dict(tokens=6, offset=0, cache_length=6, probs=None, token=0))
+        return console.export_text(), tracer.events[0].data
+
+    text, data = traced_prefill("gemma3_text", sliding_window=3, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    causal, sliding = text.split("sliding-window mask, window 3 (3 of 4 layers;")
     assert "■ ■ ■ ■ ■ ·\n■ ■ ■ ■ ■ ■" in causal
     assert "■ · · · · ·\n■ ■ · · · ·\n■ ■ ■ · · ·\n· ■ ■ ■ · ·\n· · ■ ■ ■ ·\n· · · ■ ■ ■" in sliding
-    tracer.emit("prefill", 0.0, 0.01, **{**data, "sliding_window": None, "sliding_layers": 0})
-    text = console.export_text()  # only the second event: export_text cleared the record
-    assert "causal mask" in text and "sliding-window mask" not in text
+    assert data["masks"]["sliding_attention"].splitlines()[3] == "· ■ ■ ■ · ·"  # the event carries the picture
+    text, data = traced_prefill("llama")
+    assert "causal mask" in text and "sliding-window mask" not in text and list(data["masks"]) == ["full_attention"]

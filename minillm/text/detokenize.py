@@ -30,9 +30,9 @@ Text the model writes as valid UTF-8 streams exactly as the full decode.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
-from minillm.tokenizer import Tokenizer
+from minillm.text.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder prints for bytes that are not (yet) a character
 PROMPT_CONTEXT_TOKENS = 5  # how many prompt tokens to keep as context (vLLM uses 5 too)
@@ -73,8 +73,8 @@ class IncrementalDetokenizer:
         return self.skip_special_tokens and token_id in self.tokenizer.special_token_ids
 
     def _pending_text(self) -> tuple[str, str]:
-        prefix_text = self.tokenizer.decode(self._ids[self.prefix_offset:self.read_offset], skip_special_tokens=False)
-        new_text = self.tokenizer.decode(self._ids[self.prefix_offset:], skip_special_tokens=False)
+        prefix_text = self.tokenizer.decode(self._ids[self.prefix_offset : self.read_offset], skip_special_tokens=False)
+        new_text = self.tokenizer.decode(self._ids[self.prefix_offset :], skip_special_tokens=False)
         return prefix_text, new_text
 
     def _emit(self, delta: str) -> str:
@@ -94,7 +94,7 @@ class IncrementalDetokenizer:
         # Hold back: an unfinished character ('�' at the end), or nothing new yet.
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
-        return self._emit(new_text[len(prefix_text):])
+        return self._emit(new_text[len(prefix_text) :])
 
     def flush(self) -> str:
         """Emit whatever is held back (end of stream). Never raises.
@@ -108,4 +108,4 @@ class IncrementalDetokenizer:
         if len(new_text) <= len(prefix_text):
             self.prefix_offset = self.read_offset = len(self._ids)
             return ""
-        return self._emit(new_text[len(prefix_text):])
+        return self._emit(new_text[len(prefix_text) :])

@@ -12,7 +12,7 @@ Two ways to run it, chosen at load (``minillm.load(..., adapters=[path], merge_a
 
 - **merged**: add ``scaling * B @ A`` into ``W`` once. Zero cost per token; the base weights are
   gone, so the adapter cannot be switched off.
-- **unmerged**: keep ``A`` and ``B`` beside ``W``; ``layers.project`` adds the low-rank path in
+- **unmerged**: keep ``A`` and ``B`` beside ``W``; ``LayerWeights.project`` adds the low-rank path in
   the forward, ``(x @ A.T) @ B.T``: two thin matrix products per projection. Costs a little per
   token, and ``Model.set_active_adapters`` switches adapters per request.
 
@@ -42,10 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import AdapterError, WeightsError
-from .safetensors_file import read_safetensors_header
-from .weights import NAME_MAPS, Weights, _OPTIONAL_PREFIX
+from minillm.errors import AdapterError, WeightsError
+from minillm.model.config import ModelConfig
+from minillm.model.families import NAME_MAPS, OPTIONAL_PREFIX, MlpKind
+from minillm.model.weights import Weights
+from minillm.sources.safetensors_file import read_safetensors_header
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -86,6 +87,11 @@ class LoraDelta:
     def rank(self) -> int:
         return self.a.shape[0]
 
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """The low-rank path of the unmerged adapter: ``scaling * (x @ A.T) @ B.T``, ``[seq, in]`` ->
+        ``[seq, rows]``; two thin products, never the ``[rows, in]`` product ``B A``."""
+        return np.float32(self.scaling) * ((x @ self.a.T) @ self.b.T)  # [seq, r] @ [r, rows]
+
     def product(self) -> np.ndarray:
         """``scaling * B @ A``: ``[rows, in]``, what merging adds to ``weight[rows]``."""
         return np.float32(self.scaling) * (self.b @ self.a)
@@ -111,19 +117,31 @@ class LoraAdapter:
 
     @property
     def num_parameters(self) -> int:
-        return sum(d.a.size + d.b.size for d in self.deltas)
+        return sum(delta.a.size + delta.b.size for delta in self.deltas)
 
     @property
     def nbytes(self) -> int:
-        return sum(d.a.nbytes + d.b.nbytes for d in self.deltas)
+        return sum(delta.a.nbytes + delta.b.nbytes for delta in self.deltas)
 
     def summary(self) -> dict:
         """The trace's view of the adapter (plain data)."""
-        return {"name": self.name, "path": str(self.path), "rank": self.rank, "alpha": self.alpha,
-                "rslora": self.use_rslora, "scaling": self.scaling, "targets": self.targets,
-                "layers": len({d.layer for d in self.deltas}), "modules": len(self.deltas),
-                "parameters": self.num_parameters, "bytes": self.nbytes, "mode": self.mode,
-                "base_model": self.base_model, "seconds": self.seconds, "notes": list(self.notes)}
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "rslora": self.use_rslora,
+            "scaling": self.scaling,
+            "targets": self.targets,
+            "layers": len({delta.layer for delta in self.deltas}),
+            "modules": len(self.deltas),
+            "parameters": self.num_parameters,
+            "bytes": self.nbytes,
+            "mode": self.mode,
+            "base_model": self.base_model,
+            "seconds": self.seconds,
+            "notes": list(self.notes),
+        }
 
 
 # --- where each PEFT module lands in minillm's layout -------------------------------------------------
@@ -135,16 +153,19 @@ def module_slots(config: ModelConfig) -> dict[str, tuple[int, str, slice]]:
     their optional ``transformer.`` prefix.
     """
     names = NAME_MAPS[config.family]
-    q, kv, f, d = config.q_dim, config.kv_dim, config.intermediate_size, config.hidden_size
-    gated = config.mlp == "gated"
+    q, kv, ffn, d_model = config.q_dim, config.kv_dim, config.intermediate_size, config.hidden_size
+    gated = config.mlp is MlpKind.GATED
     where = {
-        "q": ("w_qkv", slice(0, q)), "k": ("w_qkv", slice(q, q + kv)), "v": ("w_qkv", slice(q + kv, q + 2 * kv)),
-        "qkv": ("w_qkv", slice(0, q + 2 * kv)), "o": ("w_o", slice(0, d)),
-        "gate": ("w_gate_up", slice(0, f)),
-        "up": ("w_gate_up", slice(f, 2 * f)) if gated else ("w_up", slice(0, f)),
-        "down": ("w_down", slice(0, d)),
+        "q": ("w_qkv", slice(0, q)),
+        "k": ("w_qkv", slice(q, q + kv)),
+        "v": ("w_qkv", slice(q + kv, q + 2 * kv)),
+        "qkv": ("w_qkv", slice(0, q + 2 * kv)),
+        "o": ("w_o", slice(0, d_model)),
+        "gate": ("w_gate_up", slice(0, ffn)),
+        "up": ("w_gate_up", slice(ffn, 2 * ffn)) if gated else ("w_up", slice(0, ffn)),
+        "down": ("w_down", slice(0, d_model)),
     }
-    prefix = _OPTIONAL_PREFIX.get(config.family)
+    prefix = OPTIONAL_PREFIX.get(config.family)
     slots = {}
     for key, (weight, rows) in where.items():
         if key not in names:
@@ -153,7 +174,7 @@ def module_slots(config: ModelConfig) -> dict[str, tuple[int, str, slice]]:
             module = names[key].format(i=i).removesuffix(".weight")
             slots[module] = (i, weight, rows)
             if prefix and module.startswith(prefix):
-                slots[module[len(prefix):]] = (i, weight, rows)
+                slots[module[len(prefix) :]] = (i, weight, rows)
     return slots
 
 
@@ -162,11 +183,15 @@ def read_adapter_config(folder: Path) -> dict:
     """``adapter_config.json`` as a dict, after refusing what minillm does not run."""
     file = folder / CONFIG_FILE
     if not folder.is_dir():
-        raise AdapterError(f"adapter folder {folder} does not exist; pass the folder PEFT's "
-                           "save_pretrained wrote (adapter_config.json + adapter_model.safetensors).")
+        raise AdapterError(
+            f"adapter folder {folder} does not exist; pass the folder PEFT's "
+            "save_pretrained wrote (adapter_config.json + adapter_model.safetensors)."
+        )
     if not file.is_file():
-        raise AdapterError(f"{file} is missing; a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE} "
-                           "(save it with PeftModel.save_pretrained).")
+        raise AdapterError(
+            f"{file} is missing; a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE} "
+            "(save it with PeftModel.save_pretrained)."
+        )
     try:
         cfg = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
@@ -176,20 +201,25 @@ def read_adapter_config(folder: Path) -> dict:
         raise AdapterError(f"{file}: peft_type is {kind!r}; minillm runs LoRA adapters only (peft_type 'LORA').")
     for key, what in _REFUSED.items():
         if cfg.get(key):
-            raise AdapterError(f"{file}: {key} is set ({what}); minillm runs plain LoRA only. "
-                               f"Retrain without {key}, or merge the adapter with PEFT (merge_and_unload) "
-                               "and load the merged model.")
+            raise AdapterError(
+                f"{file}: {key} is set ({what}); minillm runs plain LoRA only. "
+                f"Retrain without {key}, or merge the adapter with PEFT (merge_and_unload) "
+                "and load the merged model."
+            )
     if cfg.get("bias", "none") != "none":
-        raise AdapterError(f"{file}: bias is {cfg['bias']!r}: the adapter trains biases, which minillm does not "
-                           "apply; use bias='none', or merge it with PEFT and load the merged model.")
+        raise AdapterError(
+            f"{file}: bias is {cfg['bias']!r}: the adapter trains biases, which minillm does not "
+            "apply; use bias='none', or merge it with PEFT and load the merged model."
+        )
     for key in ("r", "lora_alpha"):
         if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
             raise AdapterError(f"{file}: {key} must be a positive number, got {cfg.get(key)!r}.")
     return cfg
 
 
-def load_adapter(path: str | os.PathLike, config: ModelConfig, weights: Weights, *,
-                 model_names: tuple[str, ...] = ()) -> LoraAdapter:
+def load_adapter(
+    path: str | os.PathLike, config: ModelConfig, weights: Weights, *, model_names: tuple[str, ...] = ()
+) -> LoraAdapter:
     """Read a PEFT LoRA folder and check every tensor against the loaded model.
 
     Args:
@@ -209,8 +239,11 @@ def load_adapter(path: str | os.PathLike, config: ModelConfig, weights: Weights,
     cfg = read_adapter_config(folder)
     file = folder / WEIGHTS_FILE
     if not file.is_file():
-        hint = " (only adapter_model.bin, the pickle format: re-save with safe_serialization=True)" \
-            if (folder / "adapter_model.bin").is_file() else ""
+        hint = (
+            " (only adapter_model.bin, the pickle format: re-save with safe_serialization=True)"
+            if (folder / "adapter_model.bin").is_file()
+            else ""
+        )
         raise AdapterError(f"{file} is missing{hint}; save the adapter with PeftModel.save_pretrained.")
     try:
         tensors = read_safetensors_header(file)
@@ -229,23 +262,31 @@ def load_adapter(path: str | os.PathLike, config: ModelConfig, weights: Weights,
         module, _, part = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
         if part not in ("A.weight", "B.weight"):
             if ".modules_to_save." in name or name.removeprefix(PEFT_PREFIX) in _full_names(config):
-                raise AdapterError(f"{file}: tensor {name!r} replaces a whole module (modules_to_save); minillm "
-                                   "applies low-rank updates only. Merge the adapter with PEFT "
-                                   "(merge_and_unload) and load the merged model.")
-            raise AdapterError(f"{file}: tensor {name!r} is not a LoRA A/B weight (lora_embedding_*, magnitude "
-                               "vectors and biases are not supported).")
+                raise AdapterError(
+                    f"{file}: tensor {name!r} replaces a whole module (modules_to_save); minillm "
+                    "applies low-rank updates only. Merge the adapter with PEFT "
+                    "(merge_and_unload) and load the merged model."
+                )
+            raise AdapterError(
+                f"{file}: tensor {name!r} is not a LoRA A/B weight (lora_embedding_*, magnitude "
+                "vectors and biases are not supported)."
+            )
         if module not in slots:
-            raise AdapterError(f"{file}: tensor {name!r} adapts module {module!r}, which a {config.model_type} "
-                               "model with this config.json does not have as an attention or MLP projection "
-                               "(minillm adapts q/k/v/o and the MLP projections only).")
+            raise AdapterError(
+                f"{file}: tensor {name!r} adapts module {module!r}, which a {config.model_type} "
+                "model with this config.json does not have as an attention or MLP projection "
+                "(minillm adapts q/k/v/o and the MLP projections only)."
+            )
         pairs.setdefault(module, {})[part[0]] = name
 
     deltas = []
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             have = next(iter(ab.values()))
-            raise AdapterError(f"{file}: tensor {have!r} has no lora_{'B' if 'A' in ab else 'A'} partner; "
-                               "the adapter file is incomplete. Re-save it.")
+            raise AdapterError(
+                f"{file}: tensor {have!r} has no lora_{'B' if 'A' in ab else 'A'} partner; "
+                "the adapter file is incomplete. Re-save it."
+            )
         layer, weight_name, rows = slots[module]
         w = getattr(weights.layers[layer], weight_name)  # [out, in]
         in_dim, out_dim = w.shape[1], rows.stop - rows.start
@@ -257,20 +298,29 @@ def load_adapter(path: str | os.PathLike, config: ModelConfig, weights: Weights,
                 raise AdapterError(
                     f"tensor {t_name!r} in {file} has shape {tuple(t.shape)}, expected {expected} "
                     f"(r={expected_rank}, module {in_dim} -> {out_dim}); the adapter was trained for another "
-                    "base model (or another rank than adapter_config.json says).")
+                    "base model (or another rank than adapter_config.json says)."
+                )
         try:
             a, b = a_t.to_float32(), b_t.to_float32()
         except WeightsError as exc:
             raise AdapterError(f"{file}: {exc}") from None
-        deltas.append(LoraDelta(module=module, layer=layer, weight=weight_name, rows=rows,
-                                a=a, b=b, scaling=scaling_for(rank)))  # [r, in], [rows, r]
+        deltas.append(
+            LoraDelta(module=module, layer=layer, weight=weight_name, rows=rows, a=a, b=b, scaling=scaling_for(rank))
+        )  # [r, in], [rows, r]
     if not deltas:
         raise AdapterError(f"{file} holds no LoRA tensors; nothing to apply.")
-    deltas.sort(key=lambda d: (d.layer, d.weight, d.rows.start))
+    deltas.sort(key=lambda delta: (delta.layer, delta.weight, delta.rows.start))
     adapter = LoraAdapter(
-        name=folder.resolve().name, path=folder, rank=r, alpha=alpha, use_rslora=rslora, scaling=scaling_for(r),
-        targets=sorted({d.module.rsplit(".", 1)[-1] for d in deltas}), deltas=deltas,
-        base_model=cfg.get("base_model_name_or_path"), fan_in_fan_out=bool(cfg.get("fan_in_fan_out")),
+        name=folder.resolve().name,
+        path=folder,
+        rank=r,
+        alpha=alpha,
+        use_rslora=rslora,
+        scaling=scaling_for(r),
+        targets=sorted({delta.module.rsplit(".", 1)[-1] for delta in deltas}),
+        deltas=deltas,
+        base_model=cfg.get("base_model_name_or_path"),
+        fan_in_fan_out=bool(cfg.get("fan_in_fan_out")),
     )
     adapter.notes += _base_model_notes(adapter, model_names)
     adapter.seconds = time.perf_counter() - t0
@@ -298,16 +348,18 @@ def _base_model_notes(adapter: LoraAdapter, model_names: tuple[str, ...]) -> lis
     if Path(base).name.lower() in short:
         return []
     known = " / ".join(dict.fromkeys(str(n) for n in model_names if n)) or "?"
-    return [f"adapter {adapter.name} was trained on {base!r}, loaded model is {known}: the shapes match, "
-            "so it is applied; check it is the right base model"]
+    return [
+        f"adapter {adapter.name} was trained on {base!r}, loaded model is {known}: the shapes match, "
+        "so it is applied; check it is the right base model"
+    ]
 
 
 # --- applying ------------------------------------------------------------------------------------------
 def merge(adapter: LoraAdapter, weights: Weights) -> None:
     """Fold the adapter into the base weights for good: ``W[rows] += scaling * B @ A``."""
-    for d in adapter.deltas:
-        w = getattr(weights.layers[d.layer], d.weight)  # [out, in], a fresh array at load
-        w[d.rows] += d.product()
+    for delta in adapter.deltas:
+        w = getattr(weights.layers[delta.layer], delta.weight)  # [out, in], a fresh array at load
+        w[delta.rows] += delta.product()
     adapter.mode = "merged"
 
 
@@ -316,5 +368,5 @@ def activate(adapters: list[LoraAdapter], weights: Weights) -> None:
     for layer in weights.layers:
         layer.lora = {}
     for adapter in adapters:
-        for d in adapter.deltas:
-            weights.layers[d.layer].lora.setdefault(d.weight, []).append(d)
+        for delta in adapter.deltas:
+            weights.layers[delta.layer].lora.setdefault(delta.weight, []).append(delta)

@@ -19,9 +19,8 @@ Gemma's GGUF needs two repairs before its merges come out as Google's ``tokenize
    the score -1000, where Google's SentencePiece model has 0, the highest there is. With -1000,
    the merges that build space runs rank below the ordinary ones, so a space run next to a word
    loses its last space to the word: "    return" becomes ``▁▁▁`` + ``▁return`` instead of Google's
-   ``▁▁▁▁`` + ``return``, and "a  b" becomes a, ``▁``, ``▁b``. (DESIGN.md records 34 spaces as 16 + 18
-   for a rebuild that breaks ties differently; with this one a bare run stays 31 + 3 either way.)
-   With the 0 put back, every merge lands where Google's list has it.
+   ``▁▁▁▁`` + ``return``, and "a  b" becomes a, ``▁``, ``▁b``. (A bare run of 34 spaces splits
+   31 + 3 either way.) With the 0 put back, every merge lands where Google's list has it.
 """
 
 from __future__ import annotations
@@ -29,9 +28,10 @@ from __future__ import annotations
 import re
 import warnings
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from .errors import GGUFError
+from minillm.errors import GGUFError
 
 SPIECE_SPACE = "▁"  # U+2581, how SentencePiece writes a space inside a piece
 _PLACEHOLDER = re.compile(r"^<unused\d+>$")  # reserved ids, marked control by llama.cpp
@@ -52,9 +52,7 @@ def _smollm_pre_tokenizer():
     # real SmolLM2 tokenizer.json says the same with Digits(individual_digits=True). So each digit,
     # and a character like "½", is its own piece, never glued to a leading space as in GPT-2's
     # " ?\p{N}+". (transformers' GGUF loader does not know 'smollm': " = ½" differs there.)
-    return pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), _gpt2_pre_tokenizer()]
-    )
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_pre_tokenizer()])
 
 
 PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {
@@ -99,9 +97,14 @@ def _add_control_and_user_tokens(tok, pieces: list[str], types: list[int]) -> No
     import gguf
     from tokenizers import AddedToken
 
-    control = [p for p, k in zip(pieces, types) if k == gguf.TokenType.CONTROL and not _PLACEHOLDER.match(p)]
-    kept = [p for p, k in zip(pieces, types)
-            if k == gguf.TokenType.USER_DEFINED or (k == gguf.TokenType.CONTROL and _PLACEHOLDER.match(p))]
+    control = [
+        p for p, k in zip(pieces, types, strict=True) if k == gguf.TokenType.CONTROL and not _PLACEHOLDER.match(p)
+    ]
+    kept = [
+        p
+        for p, k in zip(pieces, types, strict=True)
+        if k == gguf.TokenType.USER_DEFINED or (k == gguf.TokenType.CONTROL and _PLACEHOLDER.match(p))
+    ]
     tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in control])
     tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in kept])
 
@@ -148,11 +151,14 @@ def merges_from_scores(pieces: list[str], scores: list[float], skip: set[int] = 
         if i in skip:
             continue
         cuts = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
-        cuts = sorted(((l, r) for l, r in cuts if l in vocab and r in vocab), key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
-        merges.extend((scores[i], l, r) for l, r in cuts)
+        cuts = sorted(
+            ((left, right) for left, right in cuts if left in vocab and right in vocab),
+            key=lambda lr: (vocab[lr[0]], vocab[lr[1]]),
+        )
+        merges.extend((scores[i], left, right) for left, right in cuts)
     # Python's sort is stable, also with reverse=True: equal keys keep the id order built above.
     merges.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
-    return [(l, r) for _, l, r in merges]
+    return [(left, right) for _, left, right in merges]
 
 
 def _sentencepiece_bpe(path, meta: dict, tokens: list[str]):
@@ -162,12 +168,14 @@ def _sentencepiece_bpe(path, meta: dict, tokens: list[str]):
     types = _token_types(meta, len(tokens))
     scores = list(meta.get("tokenizer.ggml.scores") or [])
     if len(scores) != len(tokens) or len(types) != len(tokens):
-        raise GGUFError(f"{path.name}: {len(tokens)} tokens but {len(scores)} scores and {len(types)} types; "
-                        "the tokenizer metadata is inconsistent")
+        raise GGUFError(
+            f"{path.name}: {len(tokens)} tokens but {len(scores)} scores and {len(types)} types; "
+            "the tokenizer metadata is inconsistent"
+        )
     # Repair 1 (module docstring): a run of real spaces is a run of '▁' in every other spelling.
     pieces = [SPIECE_SPACE * len(t) if t and set(t) == {" "} else t for t in tokens]
     # Repair 2: user-defined tokens score 0 in the original SentencePiece model, not -1000.
-    scores = [0.0 if k == gguf.TokenType.USER_DEFINED else float(s) for s, k in zip(scores, types)]
+    scores = [0.0 if k == gguf.TokenType.USER_DEFINED else float(s) for s, k in zip(scores, types, strict=True)]
     not_merged = {gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN, gguf.TokenType.BYTE, gguf.TokenType.UNUSED}
     skip = {i for i, k in enumerate(types) if k in not_merged}
     merges = merges_from_scores(pieces, scores, skip)
@@ -177,8 +185,11 @@ def _sentencepiece_bpe(path, meta: dict, tokens: list[str]):
         return pieces[i] if isinstance(i, int) and 0 <= i < len(pieces) else None
 
     unk = special("unknown_token_id")
-    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=merges, unk_token=unk,
-                               fuse_unk=True, byte_fallback=True))
+    tok = Tokenizer(
+        models.BPE(
+            vocab={p: i for i, p in enumerate(pieces)}, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True
+        )
+    )
     # Spaces become '▁' before the model sees the text; a Llama 2-style vocabulary also wants one
     # in front of the first word (add_space_prefix, llama.cpp's default), Gemma's does not.
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
@@ -193,8 +204,10 @@ def _sentencepiece_bpe(path, meta: dict, tokens: list[str]):
         head, tail = ([bos] if add_bos else []), ([eos] if add_eos else [])
         second = [f"{t}:1" for t in head] + ["$B:1"] + [f"{t}:1" for t in tail]
         tok.post_processor = processors.TemplateProcessing(
-            single=" ".join(head + ["$A"] + tail), pair=" ".join(head + ["$A"] + tail + second),
-            special_tokens=[(t, pieces.index(t)) for t in dict.fromkeys(head + tail)])
+            single=" ".join(head + ["$A"] + tail),
+            pair=" ".join(head + ["$A"] + tail + second),
+            special_tokens=[(t, pieces.index(t)) for t in dict.fromkeys(head + tail)],
+        )
     _add_control_and_user_tokens(tok, pieces, types)
     fixed = sum(1 for k in types if k == gguf.TokenType.USER_DEFINED)
     return tok, f"sentencepiece-bpe ({len(merges):,} merges rebuilt from scores; {fixed} user-defined scores set to 0)"

@@ -11,7 +11,7 @@ of a float32.
 
 Each tensor is read in its own ``safe_open``: the library memory-maps the file, and mapped pages
 count in the process's resident set while the map lives, so one map held open over the whole
-load made the peak twice the weights (issue 6).
+load made the peak twice the weights.
 
 A model folder may hold one file or shards listed in ``model.safetensors.index.json``
 (:func:`weight_files`). ``weights.py`` turns the tensors into the model's layout.
@@ -28,7 +28,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy, so safetensors c
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from .errors import WeightsError
+from minillm.errors import WeightsError
 
 _DTYPES = {  # safetensors dtype -> (bytes per element, name shown in the trace): what minillm reads
     "F32": (4, "float32"),
@@ -56,8 +56,10 @@ class StoredTensor:
                 changed since its header was read.
         """
         if self.dtype not in _DTYPES:
-            raise WeightsError(f"{self.file.name} stores this tensor as {self.dtype}; minillm reads "
-                               f"{', '.join(_DTYPES)}. Convert the checkpoint to one of those.")
+            raise WeightsError(
+                f"{self.file.name} stores this tensor as {self.dtype}; minillm reads "
+                f"{', '.join(_DTYPES)}. Convert the checkpoint to one of those."
+            )
         try:
             with safe_open(self.file, framework="numpy") as f:
                 values = f.get_tensor(self.name)  # a copy out of the map, in the stored dtype
@@ -111,8 +113,10 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
             # itself holds, as in a Hugging Face cache snapshot, are the folder's own business).
             parts = name.replace("\\", "/").split("/")
             if not name or name.startswith(("/", "\\")) or ":" in parts[0] or ".." in parts:
-                raise WeightsError(f"{index} names shard {name!r}, a path outside the model folder {folder}; "
-                                   "refusing to read it. A shard index may only name files inside the folder.")
+                raise WeightsError(
+                    f"{index} names shard {name!r}, a path outside the model folder {folder}; "
+                    "refusing to read it. A shard index may only name files inside the folder."
+                )
             path = folder / name
             if not path.is_file():
                 raise WeightsError(f"{index} names shard {name!r}, which is missing from {folder}; re-download it.")
@@ -126,8 +130,10 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
                 f"{folder} has only pickle weights ({', '.join(pickles)}); minillm never unpickles "
                 "(it can run code). Convert them to safetensors or download the safetensors files."
             )
-        raise WeightsError(f"no *.safetensors weights in {folder}; download the model's weights "
-                           "(model.safetensors, or the shards and model.safetensors.index.json).")
+        raise WeightsError(
+            f"no *.safetensors weights in {folder}; download the model's weights "
+            "(model.safetensors, or the shards and model.safetensors.index.json)."
+        )
     return files
 
 

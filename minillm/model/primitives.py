@@ -4,8 +4,8 @@ No batch dimension: minillm runs one request, so activations are ``[seq, d_model
 tensors ``[n_heads, seq, head_dim]``. Letters: ``seq`` = positions in this call, ``ctx`` = positions
 in the cache (past + this call), ``vocab``, ``d_model``, ``n_heads``, ``n_kv_heads``, ``head_dim``.
 
-Every family minillm runs is built from these pieces; ``model.py`` picks among them with the flags
-in ``ModelConfig`` (RMSNorm or LayerNorm, RoPE or learned positions, gated or plain MLP, ...).
+Every family minillm runs is built from these pieces; ``transformer.py`` picks among them with the
+flags in ``ModelConfig`` (RMSNorm or LayerNorm, RoPE or learned positions, gated or plain MLP, ...).
 
 The numerical reference is Hugging Face transformers: ``models/llama/modeling_llama.py``
 (``LlamaRMSNorm``, ``LlamaRotaryEmbedding``, ``rotate_half``, ``eager_attention_forward``,
@@ -20,7 +20,8 @@ Ainslie et al. 2023 (GQA), Shazeer 2020 (GLU variants: SwiGLU, GeGLU), Beltagy e
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -60,22 +61,23 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
 
     The exponents ``2i/head_dim`` are float32 like transformers'; the power is taken in float64 and
     rounded once to float32, the correctly rounded value torch's pow gives (NumPy's float32 pow
-    can be an ulp or two off, and slow pairs at long positions would feel it). ``scaling`` (``ModelConfig.rope_scaling``) stretches them for long contexts: ``linear`` divides
-    every speed by ``factor``; ``llama3`` see :func:`llama3_scaled_frequencies`. ``None`` or
+    can be an ulp or two off, and slow pairs at long positions would feel it). ``scaling``
+    (``ModelConfig.rope_scaling``) stretches them for long contexts: ``linear`` divides every
+    speed by ``factor``; ``llama3`` see :func:`llama3_scaled_frequencies`. ``None`` or
     ``{"rope_type": "default"}`` leaves them alone. Raises ``ValueError`` for another type
-    (``config.py`` refuses those earlier, with the fix).
+    (``families.py`` refuses those earlier, with the fix).
     """
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     powers = (np.float64(theta) ** exponents.astype(np.float64)).astype(np.float32)  # [head_dim/2]
     inv_freq = np.float32(1.0) / powers
-    kind = (scaling or {}).get("rope_type", "default")
-    if kind == "default":
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
         return inv_freq
-    if kind == "linear":  # position interpolation: positions squeezed by `factor`
+    if rope_type == "linear":  # position interpolation: positions squeezed by `factor`
         return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
-    if kind == "llama3":
+    if rope_type == "llama3":
         return llama3_scaled_frequencies(inv_freq, scaling)
-    raise ValueError(f"RoPE scaling {kind!r} is not implemented")
+    raise ValueError(f"RoPE scaling {rope_type!r} is not implemented")
 
 
 def llama3_scaled_frequencies(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
@@ -161,18 +163,12 @@ def sliding_window_mask(seq: int, ctx: int, offset: int = 0, window: int = 4096)
         - - 0 0 0 -
         - - - 0 0 0
 
-    ``print(mask_picture(sliding_window_mask(6, 6, window=3)))`` draws the left one.
+    ``print(observe.render.mask_picture(sliding_window_mask(6, 6, window=3)))`` draws the left one.
     """
     query_pos = offset + np.arange(seq)[:, None]  # [seq, 1]
     key_pos = np.arange(ctx)[None, :]  # [1, ctx]
     visible = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [seq, ctx]
     return np.where(visible, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
-
-
-def mask_picture(mask: np.ndarray, visible: str = "0", hidden: str = "-") -> str:
-    """Draw an additive mask ``[seq, ctx]`` as text, one row per query: ``visible`` where a query
-    may look, ``hidden`` where not (the trace draws ``■`` and ``·``)."""
-    return "\n".join(" ".join(visible if v == 0 else hidden for v in row) for row in mask)
 
 
 # --- attention --------------------------------------------------------------------------------------
@@ -237,19 +233,6 @@ def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndar
     return y
 
 
-def project(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, lora=None) -> np.ndarray:
-    """A projection with its unmerged LoRA adapters: ``x @ w.T (+ b) + scaling * (x @ A.T) @ B.T``.
-
-    ``lora`` lists ``lora.LoraDelta`` s (``a`` ``[r, in]``, ``b`` ``[rows, r]``), each adding its
-    low-rank path to its own outputs ``rows`` of ``w`` (q, k or v of a fused ``w_qkv``). None or
-    empty: plain :func:`linear`. Two thin products per adapter, never the ``[out, in]`` product ``B A``.
-    """
-    y = linear(x, w, b)  # [seq, out]
-    for d in lora or ():
-        y[:, d.rows] += np.float32(d.scaling) * ((x @ d.a.T) @ d.b.T)  # [seq, r] @ [r, rows] -> [seq, rows]
-    return y
-
-
 def silu(x: np.ndarray) -> np.ndarray:
     """SiLU / swish: ``x * sigmoid(x)``.
 
@@ -269,30 +252,3 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 #: ModelConfig.hidden_act -> the function.
 ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"silu": silu, "gelu_tanh": gelu_tanh}
-
-
-def gated_mlp(
-    x: np.ndarray, w_gate_up: np.ndarray, w_down: np.ndarray, act: Callable[[np.ndarray], np.ndarray],
-    b_gate_up: np.ndarray | None = None, b_down: np.ndarray | None = None, lora: dict | None = None,
-) -> np.ndarray:
-    """Gated MLP (Shazeer 2020): ``down(act(gate(x)) * up(x))``; SwiGLU with SiLU, GeGLU with GELU.
-
-    ``x`` ``[seq, d_model]``, ``w_gate_up`` ``[2 * ffn, d_model]`` (gate | up rows), ``w_down``
-    ``[d_model, ffn]``, optional biases ``[2 * ffn]`` and ``[d_model]``; returns ``[seq, d_model]``.
-    ``lora``: unmerged adapters by weight name (``LayerWeights.lora``), see :func:`project`.
-    """
-    lora = lora or {}
-    gate_up = project(x, w_gate_up, b_gate_up, lora.get("w_gate_up"))  # [seq, 2 * ffn]
-    ffn = w_down.shape[1]
-    gate, up = gate_up[:, :ffn], gate_up[:, ffn:]  # each [seq, ffn]
-    return project(act(gate) * up, w_down, b_down, lora.get("w_down"))  # [seq, d_model]
-
-
-def plain_mlp(
-    x: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, act: Callable[[np.ndarray], np.ndarray],
-    b_up: np.ndarray | None = None, b_down: np.ndarray | None = None, lora: dict | None = None,
-) -> np.ndarray:
-    """GPT-2's MLP: ``down(act(up(x)))``: ``w_up`` ``[ffn, d_model]``, ``w_down`` ``[d_model, ffn]``."""
-    lora = lora or {}
-    h = act(project(x, w_up, b_up, lora.get("w_up")))  # [seq, ffn]
-    return project(h, w_down, b_down, lora.get("w_down"))  # [seq, d_model]

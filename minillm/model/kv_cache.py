@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import InvalidRequestError, KVCacheFullError, KVCacheMismatchError
+from minillm.errors import InvalidRequestError, KVCacheFullError, KVCacheMismatchError
+from minillm.model.config import ModelConfig, kv_bytes_per_token
 
 
 class KVCache:
@@ -40,11 +40,11 @@ class KVCache:
         self.length = 0
 
     @classmethod
-    def for_model(cls, config: ModelConfig, max_seq_len: int | None = None) -> "KVCache":
+    def for_model(cls, config: ModelConfig, max_seq_len: int | None = None) -> KVCache:
         """A cache shaped for ``config``; ``max_seq_len`` defaults to the model's context.
 
         Raises:
-            ContextWindowExceeded: ``max_seq_len`` larger than ``max_position_embeddings``.
+            KVCacheFullError: ``max_seq_len`` larger than ``max_position_embeddings``.
         """
         context = config.max_position_embeddings
         if max_seq_len is None:
@@ -60,7 +60,7 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one position occupies across all layers, k and v: ``2 * L * kv_heads * head_dim * 4``."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.keys.itemsize
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.keys.itemsize)
 
     @property
     def nbytes(self) -> int:
@@ -101,16 +101,13 @@ class KVCache:
         positions ``length..length+seq-1``; return the filled keys and values
         ``[n_kv_heads, length+seq, head_dim]`` (views, no copy).
         """
-        seq = k.shape[1]
-        self.check_room(seq)
-        end = self.length + seq
+        end = self.length + k.shape[1]  # room was checked once, before the first layer
         self.keys[layer, :, self.length : end] = k
         self.values[layer, :, self.length : end] = v
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
     def advance(self, seq: int) -> None:
         """Mark ``seq`` more positions as filled (after every layer has written them)."""
-        self.check_room(seq)
         self.length += seq
 
     # --- request lifecycle ----------------------------------------------------------------------

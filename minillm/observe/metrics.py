@@ -1,10 +1,9 @@
-"""Metrics: TTFT, TPOT, tokens/s and memory, computed from measured times (seconds) and shapes.
+"""Measurements around a request: memory tables, the machine's BLAS, and other processes' CPU.
 
-Definitions (as the serving literature uses them):
-- TTFT, time to first token: request start (before tokenization) -> first new token sampled.
-- TPOT, time per output token: the wall time of each decode step (one forward over one position
-  plus sampling); reported as mean, p50 and p90.
-- prefill tokens/s = prompt tokens / prefill seconds; decode tokens/s = 1 / mean TPOT.
+The request's own times (TTFT, TPOT, tokens/s) are measured by the runtime
+(``runtime.request.RequestMetrics``); this module adds what a listener measures beside them:
+- memory: weight bytes and KV-cache bytes at each dtype, from the model's shapes;
+- the BLAS that runs the matrix products, and its threads (threadpoolctl);
 - others' CPU share: the share of all cores' time that *other* processes used during the request
   (0 to 1). A number far from 0 means the request shared the cores, and its times are not the
   model's alone.
@@ -16,58 +15,11 @@ import math
 import os
 import resource
 import time
-from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
-from .config import ModelConfig
+from minillm.model.config import ModelConfig
 
 #: bytes per parameter (or cache element) for the memory table of the next lesson.
 DTYPE_BYTES = {"float32": 4.0, "bfloat16/float16": 2.0, "int8": 1.0, "int4": 0.5}
-
-
-@dataclass
-class RequestMetrics:
-    """Measured times (seconds) and sizes (tokens, bytes) of one request."""
-
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    tokenize_s: float = 0.0
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_step_s: list[float] = field(default_factory=list)
-    total_s: float = 0.0
-    kv_bytes_per_token: int = 0
-    kv_bytes_used: int = 0
-    kv_bytes_reserved: int = 0
-    others_cpu_share: float = float("nan")  # 0..1 of all cores' time used by other processes; NaN: unknown
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
-
-    @property
-    def tpot_s(self) -> float:
-        """Mean decode step time in seconds (NaN when there was no decode step)."""
-        return float(np.mean(self.decode_step_s)) if self.decode_step_s else float("nan")
-
-    def tpot_percentile(self, q: float) -> float:
-        return float(np.percentile(self.decode_step_s, q)) if self.decode_step_s else float("nan")
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return 1.0 / self.tpot_s if self.decode_step_s else float("nan")
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(
-            prefill_tokens_per_s=self.prefill_tokens_per_s,
-            tpot_s=self.tpot_s,
-            tpot_p50_s=self.tpot_percentile(50),
-            tpot_p90_s=self.tpot_percentile(90),
-            decode_tokens_per_s=self.decode_tokens_per_s,
-        )
-        return d
 
 
 def cpu_snapshot() -> tuple[float, float, float]:
@@ -86,8 +38,9 @@ def cpu_snapshot() -> tuple[float, float, float]:
     return time.perf_counter(), busy, own.ru_utime + own.ru_stime
 
 
-def others_cpu_share(before: tuple[float, float, float], after: tuple[float, float, float],
-                     cores: int | None = None) -> float:
+def others_cpu_share(
+    before: tuple[float, float, float], after: tuple[float, float, float], cores: int | None = None
+) -> float:
     """The share (0..1) of all cores' time that other processes used between two :func:`cpu_snapshot` s.
 
     ``(machine busy seconds - this process's CPU seconds) / (wall seconds * cores)``; NaN when the
@@ -114,7 +67,7 @@ def kv_memory_table(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """
     table = {}
     for name, b in DTYPE_BYTES.items():
-        per_token = int(2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * b)
+        per_token = config.kv_bytes_per_token(b)
         table[name] = (per_token, per_token * config.max_position_embeddings)
     return table
 
@@ -126,3 +79,22 @@ def format_bytes(n: float) -> str:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def blas_summary() -> list[str]:
+    """Which BLAS runs the matrix multiplies, and with how many threads (threadpoolctl)."""
+    from threadpoolctl import threadpool_info
+
+    return [
+        f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture') or '?'}), "
+        f"{i.get('num_threads')} thread{'' if i.get('num_threads') == 1 else 's'}"
+        for i in threadpool_info()
+        if i.get("user_api") == "blas"
+    ]
+
+
+def blas_threads() -> int | None:
+    """The most threads any loaded BLAS runs with now (threadpoolctl); None if none is loaded."""
+    from threadpoolctl import threadpool_info
+
+    return max((i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"), default=None)

@@ -2,7 +2,7 @@
 warm-up request so the first real request does not pay one-time costs.
 
 What is loaded here lives across requests (llama2.c's "weights"); what lives for one request
-(the KV cache, the detokenizer) is made in ``lifecycle.stream`` and freed at its end.
+(the KV cache, the detokenizer) is made by ``request.Request`` and freed at its end.
 """
 
 from __future__ import annotations
@@ -12,17 +12,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from .config import ModelConfig
-from .hub import ResolvedModel, resolve_model
-from .errors import AdapterError, InvalidRequestError
-from .kv_cache import KVCache
-from .lora import LoraAdapter, activate, load_adapter, merge
-from .model import Transformer
-from .tokenizer import Tokenizer
-from .trace import Tracer
-from .weights import load_weights
+from minillm.errors import AdapterError, InvalidRequestError
+from minillm.model.config import ModelConfig
+from minillm.model.kv_cache import KVCache
+from minillm.model.lora import LoraAdapter, activate, load_adapter, merge
+from minillm.model.transformer import Transformer
+from minillm.model.weights import load_weights
+from minillm.sources.hub import ResolvedModel, resolve_model
+from minillm.text.tokenizer import Tokenizer
 
 WARMUP_PROMPT = "Hello, world! The warm-up request."
 WARMUP_DECODE_STEPS = 2
@@ -53,8 +50,7 @@ class Model:
     def active_adapters(self) -> list[str]:
         """Names of the LoRA adapters the forward applies (merged ones always)."""
         active = {id(d) for layer in self.transformer.weights.layers for ds in layer.lora.values() for d in ds}
-        return [a.name for a in self.adapters
-                if a.mode == "merged" or any(id(d) in active for d in a.deltas)]
+        return [a.name for a in self.adapters if a.mode == "merged" or any(id(d) in active for d in a.deltas)]
 
     def set_active_adapters(self, names: list[str]) -> None:
         """Choose which unmerged LoRA adapters the next requests use (``[]``: the base model).
@@ -68,11 +64,15 @@ class Model:
         by_name = {a.name: a for a in self.adapters}
         for name in names:
             if name not in by_name:
-                raise AdapterError(f"no adapter named {name!r}; loaded: {sorted(by_name) or 'none'}. "
-                                   "Pass adapters=[path, ...] to minillm.load.")
+                raise AdapterError(
+                    f"no adapter named {name!r}; loaded: {sorted(by_name) or 'none'}. "
+                    "Pass adapters=[path, ...] to minillm.load."
+                )
         if any(a.mode == "merged" for a in self.adapters):
-            raise AdapterError("the adapters were merged into the weights at load; reload with "
-                               "merge_adapters=False to switch adapters per request.")
+            raise AdapterError(
+                "the adapters were merged into the weights at load; reload with "
+                "merge_adapters=False to switch adapters per request."
+            )
         activate([by_name[n] for n in names], self.transformer.weights)
 
     @property
@@ -81,24 +81,32 @@ class Model:
         return self.warmup_s is not None or self.requests_served > 0
 
 
-def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None = None,
-         progress: bool = True, warmup: bool = True, adapters: list[str | os.PathLike] | None = None,
-         merge_adapters: bool = True, threads: int | None = None) -> Model:
+def load(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    tracer=None,
+    progress: bool = True,
+    warmup: bool = True,
+    adapters: list[str | os.PathLike] | None = None,
+    merge_adapters: bool = True,
+    threads: int | None = None,
+) -> Model:
     """Load a model by manifest name (fetched and cached on first use) or from a local folder.
 
     Args:
         name_or_path: a name from ``weights_manifest.toml`` (``minillm models``), or a folder with
             ``config.json``, ``*.safetensors``, ``tokenizer.json``. None: the manifest's default.
         progress: show rich progress bars while fetching or converting.
-        warmup: run :func:`warmup` before returning ("ready" only after it).
+        tracer: a listener (``on_event(phase, start, duration, model, facts)``, e.g.
+            ``minillm.Tracer``) told of the load and the warm-up.
+        warmup: run :func:`run_warmup` before returning ("ready" only after it).
         adapters: PEFT LoRA adapter folders to apply to every request (``lora.py``).
         merge_adapters: True: fold them into the weights (no cost per token); False: keep them
             apart, computed in the forward, switchable with ``Model.set_active_adapters``.
         threads: how many threads the BLAS (OpenBLAS under NumPy) runs the matrix multiplies
             with, set through threadpoolctl for the whole process. None: leave the BLAS default
-            (every core). On a quiet 2-core machine 2 beat 1 (decode x1.3, prefill x1.7); when
-            another busy process shares the cores, 1 can be ~3x faster, because a BLAS thread
-            that loses its core stalls every multiply waiting for it (``benchmarks/``, issue 6).
+            (every core). When another busy process shares the cores, 1 can be much faster: a
+            BLAS thread that loses its core stalls every multiply waiting for it (README, "Speed").
 
     Raises:
         InvalidRequestError: ``threads`` is not a whole number >= 1.
@@ -106,13 +114,11 @@ def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None
         ConfigError, WeightsError, TokenizerError: while reading the folder.
         AdapterError: an adapter is missing files, unsupported, or does not fit the model.
     """
-    from .manifest import default_model_name
+    from minillm.sources.manifest import default_model_name
 
     set_blas_threads(threads)
-    start = tracer.now() if tracer else 0.0
     t0 = time.perf_counter()
-    resolved = resolve_model(name_or_path if name_or_path is not None else default_model_name(),
-                             progress=progress)
+    resolved = resolve_model(name_or_path if name_or_path is not None else default_model_name(), progress=progress)
     t1 = time.perf_counter()
     config = ModelConfig.from_folder(resolved.path)
     weights = load_weights(resolved.path, config)
@@ -130,20 +136,19 @@ def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None
     seconds.update({"config + weights": t2 - t1, "tokenizer": t3 - ta, "allocate": t4 - t3})
     if loaded:
         seconds["adapters"] = ta - t2
-    model = Model(resolved.name, resolved.path, config, tokenizer, transformer, resolved, seconds, adapters=loaded,
-                  threads=threads)
-    if tracer:
-        tracer.emit(
-            "load", start, t4 - t0, name=resolved.name, source=resolved.source, path=str(resolved.path),
-            notes=list(resolved.notes) + [n for a in loaded for n in a.notes], config=config.summary(),
-            seconds=seconds, blas=blas_summary(), adapters=[a.summary() for a in loaded],
-            weights={"parameters": weights.num_parameters, "bytes_loaded": weights.nbytes,
-                     "stored": dict(weights.stored_dtypes), "bytes_stored": dict(weights.stored_bytes),
-                     "unused": weights.unused_tensors, "seconds": dict(weights.seconds)},
-            tokenizer={"vocab_size": tokenizer.vocab_size,
-                       "special": " ".join(tokenizer.special_token_texts[:12]),
-                       "eos_ids": sorted(tokenizer.eos_token_ids)},
-        )
+    model = Model(
+        resolved.name,
+        resolved.path,
+        config,
+        tokenizer,
+        transformer,
+        resolved,
+        seconds,
+        adapters=loaded,
+        threads=threads,
+    )
+    if tracer is not None:
+        tracer.on_event("load", t0, t4 - t0, model, {"seconds": seconds})
     if warmup:
         run_warmup(model, tracer=tracer)
     return model
@@ -151,7 +156,7 @@ def load(name_or_path: str | os.PathLike | None = None, *, tracer: Tracer | None
 
 def _load_adapters(paths, merge_them: bool, config: ModelConfig, weights, resolved: ResolvedModel) -> list[LoraAdapter]:
     """Read each LoRA adapter, check it against the model, then merge it or make it active."""
-    from .manifest import load_manifest
+    from minillm.sources.manifest import load_manifest
 
     names: tuple = (resolved.name, resolved.path.name)
     try:
@@ -185,45 +190,31 @@ def set_blas_threads(threads: int | None) -> None:
     if threads is None:
         return
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise InvalidRequestError(f"threads must be a whole number >= 1, got {threads!r}; "
-                                  "pass None to keep the BLAS default (all cores).")
+        raise InvalidRequestError(
+            f"threads must be a whole number >= 1, got {threads!r}; pass None to keep the BLAS default (all cores)."
+        )
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=threads, user_api="blas")  # process-wide; not undone when load returns
 
 
-def blas_summary() -> list[str]:
-    """Which BLAS runs the matrix multiplies, and with how many threads (threadpoolctl)."""
-    from threadpoolctl import threadpool_info
-
-    return [f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture') or '?'}), "
-            f"{i.get('num_threads')} thread{'' if i.get('num_threads') == 1 else 's'}"
-            for i in threadpool_info() if i.get("user_api") == "blas"]
-
-
-def blas_threads() -> int | None:
-    """The most threads any loaded BLAS runs with now (threadpoolctl); None if none is loaded."""
-    from threadpoolctl import threadpool_info
-
-    return max((i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"), default=None)
-
-
-def run_warmup(model: Model, *, tracer: Tracer | None = None) -> float:
+def run_warmup(model: Model, *, tracer=None) -> float:
     """Run one short request (prefill + a few decode steps) and throw it away; returns seconds.
 
     The first forward pass after load pays one-time costs: weight pages faulted in from the
     page cache, BLAS thread pools started, RoPE tables built. A warm-up pays them before the
     model is called ready, so the first real request is timed like every other one.
     """
-    start = tracer.now() if tracer else 0.0
+    from minillm.runtime import steps  # steps imports this module's Model
+
     t0 = time.perf_counter()
     ids = model.tokenizer.encode(WARMUP_PROMPT)
     cache = KVCache.for_model(model.config, max_seq_len=len(ids) + WARMUP_DECODE_STEPS)
-    logits = model.transformer.forward(ids, cache, last_only=True)[0]
+    logits = steps.prefill(model, ids, cache)
     for _ in range(WARMUP_DECODE_STEPS):
-        logits = model.transformer.forward(np.array([int(np.argmax(logits))]), cache)[0]
+        logits = steps.decode_step(model, int(logits.argmax()), cache)
     cache.free()
     model.warmup_s = time.perf_counter() - t0
-    if tracer:
-        tracer.emit("warmup", start, model.warmup_s, tokens=len(ids), decode_steps=WARMUP_DECODE_STEPS)
+    if tracer is not None:
+        tracer.on_event("warmup", t0, model.warmup_s, model, {"tokens": len(ids), "decode_steps": WARMUP_DECODE_STEPS})
     return model.warmup_s

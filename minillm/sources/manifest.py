@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ManifestError, ModelNotFoundError
+from minillm.errors import ManifestError, ModelNotFoundError
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")  # also a folder name in the cache: keep it tame
@@ -130,16 +130,19 @@ def manifest_path() -> Path:
     if env:
         path = Path(env).expanduser()
         if not path.is_file():
-            raise ManifestError(f"MINILLM_MANIFEST points to {path}, which is not a file; "
-                                "fix the path or unset MINILLM_MANIFEST")
+            raise ManifestError(
+                f"MINILLM_MANIFEST points to {path}, which is not a file; fix the path or unset MINILLM_MANIFEST"
+            )
         return path
-    package_dir = Path(__file__).resolve().parent
+    package_dir = Path(__file__).resolve().parent.parent  # minillm/
     candidates = [package_dir.parent / "weights_manifest.toml", package_dir / "weights_manifest.toml"]
     for path in candidates:
         if path.is_file():
             return path
-    raise ManifestError(f"no weights_manifest.toml at {candidates[0]} or {candidates[1]}; "
-                        "reinstall minillm or set MINILLM_MANIFEST to a manifest file")
+    raise ManifestError(
+        f"no weights_manifest.toml at {candidates[0]} or {candidates[1]}; "
+        "reinstall minillm or set MINILLM_MANIFEST to a manifest file"
+    )
 
 
 def load_manifest(path: str | os.PathLike | None = None) -> dict[str, ModelEntry]:
@@ -179,8 +182,9 @@ def get_entry(name: str, *, path: str | os.PathLike | None = None) -> ModelEntry
         return entries[key]
     close = difflib.get_close_matches(key, list(entries), n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
-    raise ModelNotFoundError(f"unknown model {name!r}: {hint}`minillm models` lists every "
-                             "known name; a local model folder path works too")
+    raise ModelNotFoundError(
+        f"unknown model {name!r}: {hint}`minillm models` lists every known name; a local model folder path works too"
+    )
 
 
 def default_model_name(*, path: str | os.PathLike | None = None) -> str:
@@ -238,17 +242,25 @@ class _Table:
 def _parse_entry(file: Path, name: str, data: Any) -> ModelEntry:
     t = _Table(file, f"models.{name}", data)
     if not _NAME.match(name):
-        raise ManifestError(f"{file}: model name {name!r} must be lowercase letters, digits, "
-                            "'.', '_' or '-' (it is also a cache folder name)")
+        raise ManifestError(
+            f"{file}: model name {name!r} must be lowercase letters, digits, "
+            "'.', '_' or '-' (it is also a cache folder name)"
+        )
     t.check_keys({"family", "license", "description", "default", "notes", "hub", "offline"})
     hub = _parse_hub(_Table(file, f"{t.where}.hub", data["hub"])) if "hub" in data else None
-    offline = (_parse_offline(_Table(file, f"{t.where}.offline", data["offline"]))
-               if "offline" in data else None)
+    offline = _parse_offline(_Table(file, f"{t.where}.offline", data["offline"])) if "offline" in data else None
     if hub is None and offline is None:
         raise t.fail("hub", "is missing, and so is .offline: a model needs at least one source")
-    return ModelEntry(name=name, family=t.get("family", str), license=t.get("license", str),
-                      description=t.get("description", str, ""), default=t.get("default", bool, False),
-                      hub=hub, offline=offline, notes=t.strings("notes", ()))
+    return ModelEntry(
+        name=name,
+        family=t.get("family", str),
+        license=t.get("license", str),
+        description=t.get("description", str, ""),
+        default=t.get("default", bool, False),
+        hub=hub,
+        offline=offline,
+        notes=t.strings("notes", ()),
+    )
 
 
 def _parse_hub(t: _Table) -> HubSource:
@@ -262,9 +274,12 @@ def _parse_hub(t: _Table) -> HubSource:
     for f in files:  # each is written to <model folder>/<f>: it must stay inside that folder
         parts = f.replace("\\", "/").split("/")
         if f.startswith(("/", "\\", "~")) or ":" in parts[0] or ".." in parts or "" in parts:
-            raise t.fail("files", f"lists {f!r}, which is not a plain path inside the model folder "
-                                  "(no absolute paths, no '..'); name files as the hub repo does, "
-                                  "e.g. 'config.json' or 'onnx/model.onnx'")
+            raise t.fail(
+                "files",
+                f"lists {f!r}, which is not a plain path inside the model folder "
+                "(no absolute paths, no '..'); name files as the hub repo does, "
+                "e.g. 'config.json' or 'onnx/model.onnx'",
+            )
     sums = _Table(t.file, f"{t.where}.sha256", t.get("sha256", dict, {}))
     sha256 = {f: sums.get(f, str, hex64=True) for f in sums.data}
     extra = sorted(set(sha256) - set(files))
@@ -274,14 +289,17 @@ def _parse_hub(t: _Table) -> HubSource:
 
 
 def _parse_part(t: _Table) -> WheelPart:
-    return WheelPart(package=t.get("package", str), version=t.get("version", str),
-                     wheel_sha256=t.get("wheel_sha256", str, hex64=True), member=t.get("member", str))
+    return WheelPart(
+        package=t.get("package", str),
+        version=t.get("version", str),
+        wheel_sha256=t.get("wheel_sha256", str, hex64=True),
+        member=t.get("member", str),
+    )
 
 
 def _parse_offline(t: _Table) -> OfflineSource:
     part_keys = {"package", "version", "wheel_sha256", "member"}
-    t.check_keys(part_keys | {"kind", "packages", "size", "sha256", "format", "quantization",
-                              "license", "note"})
+    t.check_keys(part_keys | {"kind", "packages", "size", "sha256", "format", "quantization", "license", "note"})
     kind = t.get("kind", str)
     if kind != "pypi-wheel":
         raise t.fail("kind", f"is {kind!r}; the only kind minillm knows is 'pypi-wheel'")
@@ -300,6 +318,13 @@ def _parse_offline(t: _Table) -> OfflineSource:
     size = t.get("size", int)
     if size <= 0:
         raise t.fail("size", f"must be a positive number of bytes, got {size}")
-    return OfflineSource(kind=kind, parts=parts, size=size, sha256=t.get("sha256", str, hex64=True),
-                         format=t.get("format", str), quantization=t.get("quantization", str, None),
-                         license=t.get("license", str, None), note=t.get("note", str, None))
+    return OfflineSource(
+        kind=kind,
+        parts=parts,
+        size=size,
+        sha256=t.get("sha256", str, hex64=True),
+        format=t.get("format", str),
+        quantization=t.get("quantization", str, None),
+        license=t.get("license", str, None),
+        note=t.get("note", str, None),
+    )

@@ -23,21 +23,15 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
 import numpy as np
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from minillm.errors import ChatTemplateError, TokenizerError
-
-ROLES = ("system", "user", "assistant", "tool")
+from minillm.text.chat_template import ChatText, compile_chat_template, render_chat_template
 
 # How piece_for_display makes invisible characters visible.
 _VISIBLE = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"})
@@ -101,103 +95,6 @@ def _uses(node: Any, kind: str) -> bool:
     return False
 
 
-class ChatText(str):
-    """Rendered chat text that remembers where the *messages* put special-token text.
-
-    A user who types ``<|im_end|>`` into a message must not end the turn: that would let any
-    text a user types steer the model with control tokens (prompt injection). So
-    :meth:`Tokenizer.apply_chat_template` records the character spans of special-token text that
-    came from message contents, and :meth:`Tokenizer.encode` keeps those as ordinary text. Only
-    the template's own markers become control tokens. It is a ``str`` in every other way (slicing
-    or concatenating gives a plain ``str``, which forgets the spans).
-    """
-
-    typed_special_spans: tuple[tuple[int, int], ...]
-
-    def __new__(cls, text: str, spans=()):
-        obj = super().__new__(cls, text)
-        obj.typed_special_spans = tuple(spans)
-        return obj
-
-
-# --- the chat-template sandbox ----------------------------------------------------------------
-def _raise_exception(message: str):
-    # A template calls this to refuse a conversation ("Conversation roles must alternate ...").
-    raise ChatTemplateError(f"the chat template refused the messages: {message}")
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # Like transformers: Jinja's own tojson HTML-escapes '<' and '>', which would corrupt prompts.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """``namespace()`` for templates, refusing underscore names (a way to reach internals)."""
-
-    def __init__(*args, **kwargs):  # same signature trick as jinja2's Namespace
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} starts with an underscore")
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    # trim_blocks / lstrip_blocks: the whitespace rules every HF chat template is written for.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["namespace"] = _Namespace
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateError(
-            f"the chat template has a syntax error on line {exc.lineno}: {exc.message}; "
-            "fix chat_template in tokenizer_config.json (or chat_template.jinja)"
-        ) from exc
-
-
-def _validate_messages(messages: Any) -> list[dict]:
-    if not isinstance(messages, (list, tuple)):
-        raise ChatTemplateError(
-            f"messages must be a list of dicts, got {type(messages).__name__}; "
-            'pass e.g. [{"role": "user", "content": "Hi"}]'
-        )
-    if not messages:
-        raise ChatTemplateError('messages is empty; pass at least one, e.g. [{"role": "user", "content": "Hi"}]')
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ChatTemplateError(
-                f"message {i} is a {type(m).__name__}, not a dict; write it as "
-                '{"role": "user", "content": "..."}'
-            )
-        if m.get("role") not in ROLES:
-            raise ChatTemplateError(
-                f"message {i} has role {m.get('role')!r}; use one of {', '.join(ROLES)}"
-            )
-        if not isinstance(m.get("content"), str):
-            raise ChatTemplateError(
-                f"message {i} ({m['role']}) has content of type {type(m.get('content')).__name__}; "
-                "content must be a string"
-            )
-    # Plain copies: the template never sees (or could touch) the caller's objects.
-    return [dict(m) for m in messages]
-
-
 class Tokenizer:
     """tokenizers.Tokenizer + chat template (sandboxed jinja2) + special tokens.
 
@@ -245,7 +142,7 @@ class Tokenizer:
 
     # --- loading --------------------------------------------------------------------------------
     @classmethod
-    def from_folder(cls, path: str | Path) -> "Tokenizer":
+    def from_folder(cls, path: str | Path) -> Tokenizer:
         """Read a Hugging Face-style model folder.
 
         Uses tokenizer.json (required), tokenizer_config.json (special tokens, chat template),
@@ -282,12 +179,19 @@ class Tokenizer:
             conf = _read_json(folder / name)
             eos += _id_list(conf.get("eos_token_id"))
             eos += _id_list(conf.get("text_config", {}).get("eos_token_id"))  # multimodal configs (Gemma 3)
-        return cls(backend, special_tokens=special, extra_eos_ids=tuple(eos),
-                   chat_template=template or None, source=str(folder))
+        return cls(
+            backend,
+            special_tokens=special,
+            extra_eos_ids=tuple(eos),
+            chat_template=template or None,
+            source=str(folder),
+        )
 
     def __repr__(self) -> str:
-        return (f"Tokenizer({self.source!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
-                f"eos_ids={sorted(self.eos_token_ids)}, chat_template={self.chat_template is not None})")
+        return (
+            f"Tokenizer({self.source!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
+            f"eos_ids={sorted(self.eos_token_ids)}, chat_template={self.chat_template is not None})"
+        )
 
     # --- text <-> ids ---------------------------------------------------------------------------
     def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
@@ -301,7 +205,9 @@ class Tokenizer:
         ordinary text (see :meth:`_encode_keeping_typed_text`).
         """
         if not isinstance(text, str):
-            raise TokenizerError(f"encode() takes a string, got {type(text).__name__}; for chat messages use encode_chat()")
+            raise TokenizerError(
+                f"encode() takes a string, got {type(text).__name__}; for chat messages use encode_chat()"
+            )
         encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
         ids = encoding.ids
         if isinstance(text, ChatText) and text.typed_special_spans:
@@ -315,7 +221,7 @@ class Tokenizer:
         plain.encode_special_tokens = True
         return plain
 
-    def _encode_keeping_typed_text(self, text: "ChatText", encoding) -> list[int]:
+    def _encode_keeping_typed_text(self, text: ChatText, encoding) -> list[int]:
         """Re-encode, as plain text, each stretch between two of the template's own special tokens
         that holds special-token text typed into a message.
 
@@ -395,11 +301,16 @@ class Tokenizer:
 
     # --- chat -----------------------------------------------------------------------------------
     @cached_property
-    def _template(self) -> jinja2.Template:
-        return _compile_template(self.chat_template)
+    def _template(self):
+        return compile_chat_template(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
-                            allow_special_tokens_in_messages: bool = False) -> ChatText:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool = True,
+        allow_special_tokens_in_messages: bool = False,
+    ) -> ChatText:
         """Render messages with the model's chat template (sandboxed), like transformers'
         ``apply_chat_template(messages, tokenize=False)``.
 
@@ -420,54 +331,30 @@ class Tokenizer:
                 f"the model in {self.source} has no chat template (it is probably a base model); "
                 "use completion mode: pass plain text instead of messages"
             )
-        messages = _validate_messages(messages)
-        typed: list[str] = []  # special-token text found in the messages, in order
-        marker = f"\ue000{secrets.token_hex(4)}."  # private-use characters + a nonce: never typed
-        if not allow_special_tokens_in_messages and self._special_texts is not None:
-            def hide(match: re.Match) -> str:
-                typed.append(match.group(0))
-                return f"{marker}{len(typed) - 1}\ue001"
+        return render_chat_template(
+            self._template,
+            messages,
+            special_tokens=self.special_tokens,
+            special_texts=None if allow_special_tokens_in_messages else self._special_texts,
+            add_generation_prompt=add_generation_prompt,
+        )
 
-            messages = [{k: self._special_texts.sub(hide, v) if k != "role" and isinstance(v, str) else v
-                         for k, v in m.items()} for m in messages]
-        variables = {**self.special_tokens, "tools": None, "documents": None}
-        try:
-            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
-        except ChatTemplateError:
-            raise
-        except jinja2.exceptions.SecurityError as exc:
-            raise ChatTemplateError(
-                f"the chat template tried something the sandbox forbids ({exc}); "
-                "the template is unsafe or broken: replace chat_template in tokenizer_config.json"
-            ) from exc
-        except Exception as exc:  # UndefinedError, TypeError in template expressions, ...
-            raise ChatTemplateError(
-                f"the chat template failed to render: {type(exc).__name__}: {exc}; "
-                "check the messages against what this model's template expects"
-            ) from exc
-        if not typed:
-            return ChatText(text)
-        # Put the typed text back where its placeholders landed, remembering each span.
-        pieces, spans, length, pos = [], [], 0, 0
-        for m in re.finditer(re.escape(marker) + r"(\d+)\ue001", text):
-            pieces.append(text[pos:m.start()])
-            length += m.start() - pos
-            original = typed[int(m.group(1))]
-            pieces.append(original)
-            spans.append((length, length + len(original)))
-            length += len(original)
-            pos = m.end()
-        pieces.append(text[pos:])
-        return ChatText("".join(pieces), spans)
-
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                    allow_special_tokens_in_messages: bool = False) -> np.ndarray:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        allow_special_tokens_in_messages: bool = False,
+    ) -> np.ndarray:
         """Render then encode with ``add_special_tokens=False``, ``int64 [seq]``.
 
         The rendered text already holds the BOS / turn markers; letting the post-processor add
         another BOS would give the model a sequence it never saw in training. Special-token text
         typed into a message stays ordinary text unless ``allow_special_tokens_in_messages``.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        allow_special_tokens_in_messages=allow_special_tokens_in_messages)
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            allow_special_tokens_in_messages=allow_special_tokens_in_messages,
+        )
         return self.encode(text, add_special_tokens=False)

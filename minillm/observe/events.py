@@ -1,9 +1,11 @@
 """The trace: one event per lifecycle phase, as plain data.
 
-Events are dataclasses ``(phase, start, duration, data)`` collected by a :class:`Tracer`. The rich
-renderer (``render.py``, terminal and Jupyter) is one consumer; ``Tracer.events``, the JSON lines
-of :meth:`Tracer.to_jsonl` and :func:`plot_timeline` are others. Lifecycle functions take
-``tracer=None`` and then do no tracing work at all.
+The runtime tells a listener what happened (``on_event(phase, start, duration, model, facts)``);
+a :class:`Tracer` is such a listener. It turns the facts into plain data (``describe.py``) and
+keeps them as :class:`TraceEvent` s ``(phase, start, duration, data)``. The rich renderer
+(``render.py``, terminal and Jupyter) is one consumer; ``Tracer.events``, the JSON lines of
+:meth:`Tracer.to_jsonl` and :func:`plot_timeline` are others. With no tracer, the runtime does
+no tracing work at all.
 
 Phases, in the order a request meets them::
 
@@ -16,6 +18,10 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from minillm.observe import describe
+from minillm.observe.metrics import cpu_snapshot, others_cpu_share
+from minillm.observe.render import Renderer
 
 VERBOSITY = ("quiet", "summary", "steps", "full")
 PHASES = ("load", "warmup", "prepare", "tokenize", "prefill", "decode", "stop", "summary")
@@ -35,7 +41,7 @@ class TraceEvent:
         return json.dumps(asdict(self), default=_jsonable)
 
     @classmethod
-    def from_json(cls, line: str) -> "TraceEvent":
+    def from_json(cls, line: str) -> TraceEvent:
         return cls(**json.loads(line))
 
 
@@ -60,8 +66,7 @@ class Tracer:
             only when the console is a terminal; piped output gets the text at the stop event).
     """
 
-    def __init__(self, console=None, verbosity: str = "steps", fold_every: int = 10,
-                 live: bool | None = None):
+    def __init__(self, console=None, verbosity: str = "steps", fold_every: int = 10, live: bool | None = None):
         if verbosity not in VERBOSITY:
             raise ValueError(f"verbosity must be one of {VERBOSITY}, got {verbosity!r}")
         self.console = console
@@ -70,10 +75,28 @@ class Tracer:
         self.t0 = time.perf_counter()
         self.events: list[TraceEvent] = []
         self._renderer = None
+        self._cpu_at_start = None
         if console is not None and verbosity != "quiet":
-            from .render import Renderer
-
             self._renderer = Renderer(console, self, live=console.is_terminal if live is None else live)
+
+    def on_event(self, phase: str, start: float, duration: float, model, facts: dict[str, Any]) -> None:
+        """What the runtime calls: ``start`` in ``time.perf_counter()`` seconds, ``duration``
+        seconds, ``facts`` as the runtime reports them; ``model`` gives the context (tokenizer,
+        config) to describe them with."""
+        if phase == "text":  # a streamed text delta: shown live, carried as data by the decode events
+            if self._renderer is not None:
+                self._renderer.stream_text(facts["text"])
+            return
+        if phase == "prepare":
+            self._cpu_at_start = cpu_snapshot()  # to measure other processes' share during the request
+        if phase == "summary":
+            facts = {
+                **facts,
+                "others_cpu_share": others_cpu_share(self._cpu_at_start, cpu_snapshot())
+                if self._cpu_at_start
+                else float("nan"),
+            }
+        self.emit(phase, start - self.t0, duration, **getattr(describe, phase)(model, **facts))
 
     def now(self) -> float:
         """Seconds since this tracer was made."""
@@ -86,11 +109,6 @@ class Tracer:
         if self._renderer is not None:
             self._renderer.render(event)
         return event
-
-    def stream_text(self, delta: str) -> None:
-        """Show a text delta as it arrives (rendering only: the decode events carry it as data)."""
-        if self._renderer is not None:
-            self._renderer.stream_text(delta)
 
     def to_jsonl(self) -> str:
         """All events as JSON lines (one event per line)."""
@@ -116,13 +134,25 @@ def plot_timeline(events: list[TraceEvent], ax=None):
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 2.8))
-    colors = {"load": "tab:gray", "warmup": "tab:olive", "prepare": "tab:purple", "tokenize": "tab:pink",
-              "prefill": "tab:blue", "decode": "tab:orange"}
+    colors = {
+        "load": "tab:gray",
+        "warmup": "tab:olive",
+        "prepare": "tab:purple",
+        "tokenize": "tab:pink",
+        "prefill": "tab:blue",
+        "decode": "tab:orange",
+    }
     rows = [p for p in PHASES if p in colors and any(e.phase == p for e in events)]
     for e in events:
         if e.phase in colors:
-            ax.barh(rows.index(e.phase), max(e.duration, 1e-4), left=e.start, color=colors[e.phase],
-                    edgecolor="white", linewidth=0.3)
+            ax.barh(
+                rows.index(e.phase),
+                max(e.duration, 1e-4),
+                left=e.start,
+                color=colors[e.phase],
+                edgecolor="white",
+                linewidth=0.3,
+            )
     ax.set_yticks(range(len(rows)), rows)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since start")

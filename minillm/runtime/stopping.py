@@ -11,7 +11,7 @@ Two kinds of condition:
       pieces   "AB"  "C"  "DEF"  "G"  "HI"  "J"        stop "DEFGHIJ"
       shown    "AB"  "C"   ""     ""   ""   ""  -> stop   (held "DEF".."DEFGHI", then cut)
 
-:class:`OutputStream` chains them for one request: generated ids -> stop-sequence hold ->
+``request.OutputStream`` chains them for one request: generated ids -> stop-sequence hold ->
 incremental detokenizer -> stop-string hold -> the deltas a user sees.
 """
 
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .errors import InvalidRequestError
+from minillm.errors import InvalidRequestError
 
 
 class StopReason(enum.StrEnum):
@@ -51,7 +51,8 @@ def cancel_check(cancel) -> Callable[[], bool] | None:
     if callable(cancel):
         return cancel
     raise InvalidRequestError(
-        f"cancel must be a threading.Event or a callable returning True to stop, got {type(cancel).__name__}.")
+        f"cancel must be a threading.Event or a callable returning True to stop, got {type(cancel).__name__}."
+    )
 
 
 @dataclass
@@ -97,26 +98,18 @@ class StopCriteria:
         return None
 
 
-def describe_stop(reason: StopReason, condition, *, n_new: int, max_new_tokens: int, n_prompt: int,
-                  window: int, elapsed_s: float, include: bool = False, eos_ids=(), eos_text: str = "") -> str:
-    """The trace's sentence for a stop: which condition fired, with its numbers.
+def held_back(buf: Sequence, patterns: Sequence[Sequence]) -> int:
+    """How much of ``buf``'s end to hold back: the longest suffix that is a proper prefix of a pattern.
 
-    ``condition`` is what fired (the EOS id, the stop string, the id sequence, the timeout in
-    seconds, what cancelled); ``window`` the positions the request could use (cache size).
+    Works on text (``str`` buffer, stop strings) and on ids (``tuple`` buffer, stop sequences):
+    ``held_back("xxDE", ["DEFG"]) == 2``, ``held_back((5, 28), [(28, 29)]) == 1``. Returns 0..len(buf).
     """
-    if reason is StopReason.EOS:
-        return f"token {condition} {eos_text!r} is in the EOS set {list(eos_ids)}"
-    if reason is StopReason.MAX_NEW_TOKENS:
-        return f"{n_new} new tokens = max_new_tokens {max_new_tokens}"
-    if reason is StopReason.STOP_STRING:
-        return f"stop string {condition!r} appeared in the text; output cut {'after' if include else 'before'} it"
-    if reason is StopReason.STOP_SEQUENCE:
-        return f"stop-token sequence {condition} appeared in the new ids; its text is {'kept' if include else 'not shown'}"
-    if reason is StopReason.CANCELLED:
-        return f"cancelled ({condition}) after {n_new} new tokens"
-    if reason is StopReason.TIMEOUT:
-        return f"deadline of {condition} s passed after {elapsed_s:.3f} s and {n_new} new tokens"
-    return f"prompt {n_prompt} + new {n_new} = {n_prompt + n_new} positions fill the context of {window}"
+    longest = max((len(p) for p in patterns), default=1)
+    for k in range(min(len(buf), longest - 1), 0, -1):
+        tail = buf[-k:]
+        if any(p[:k] == tail for p in patterns):
+            return k
+    return 0
 
 
 # --- stop strings (in the text) ----------------------------------------------------------------
@@ -150,8 +143,8 @@ class StopStringMatcher:
         InvalidRequestError: an empty stop string.
     """
 
-    def __init__(self, stop_strings: Iterable[str], *, include_stop_string: bool = False):
-        self.stop_strings = validate_stop_strings(list(stop_strings))
+    def __init__(self, stop_strings: Iterable[str] | str | None, *, include_stop_string: bool = False):
+        self.stop_strings = validate_stop_strings(stop_strings)
         self.include_stop_string = include_stop_string
         self._held = ""  # a tail that could still begin a stop string
         self.text = ""  # everything released so far
@@ -171,15 +164,6 @@ class StopStringMatcher:
                 best = (i, s)
         return best
 
-    def _partial_len(self, buf: str) -> int:
-        """Length of the longest suffix of ``buf`` that is a proper prefix of some stop string."""
-        longest = max((len(s) for s in self.stop_strings), default=1)
-        for k in range(min(len(buf), longest - 1), 0, -1):
-            tail = buf[-k:]
-            if any(s.startswith(tail) for s in self.stop_strings):
-                return k
-        return 0
-
     def _release(self, text: str) -> str:
         self.text += text
         return text
@@ -194,8 +178,8 @@ class StopStringMatcher:
             start, s = hit
             self.matched, self.match_start, self._held = s, len(self.text) + start, ""
             return self._release(buf[: start + len(s)] if self.include_stop_string else buf[:start])
-        keep = self._partial_len(buf)
-        self._held = buf[len(buf) - keep:]
+        keep = held_back(buf, self.stop_strings)
+        self._held = buf[len(buf) - keep :]
         return self._release(buf[: len(buf) - keep])
 
     def flush(self) -> str:
@@ -242,74 +226,16 @@ class StopSequenceMatcher:
         if not self.sequences:
             return [int(token_id)]
         buf = self._held + [int(token_id)]
-        hits = [s for s in self.sequences if len(s) <= len(buf) and tuple(buf[-len(s):]) == s]
+        hits = [s for s in self.sequences if len(s) <= len(buf) and tuple(buf[-len(s) :]) == s]
         if hits:
             self.matched = max(hits, key=len)
             self._held = []
             return buf if self.include else buf[: len(buf) - len(self.matched)]
-        keep = 0
-        for k in range(min(len(buf), max(len(s) for s in self.sequences) - 1), 0, -1):
-            if any(s[:k] == tuple(buf[-k:]) for s in self.sequences):
-                keep = k
-                break
-        self._held = buf[len(buf) - keep:]
+        keep = held_back(tuple(buf), self.sequences)
+        self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]
 
     def flush(self) -> list[int]:
         """End of stream: release the held ids."""
         held, self._held = self._held, []
         return held
-
-
-# --- one request's output ----------------------------------------------------------------------
-class OutputStream:
-    """Generated ids in, text a user may see out, for one request.
-
-        id -> StopSequenceMatcher (hold) -> IncrementalDetokenizer -> StopStringMatcher (hold) -> delta
-
-    Args:
-        detokenizer: an :class:`~minillm.detokenize.IncrementalDetokenizer` (``add(id) -> str``,
-            ``flush() -> str``).
-        stop: stop strings; ``stop_token_ids``: id sequences.
-        include_stop_string: show the matched stop string (or the stop sequence's text).
-
-    After :meth:`add` or :meth:`finish`, ``stop_reason`` is ``STOP_STRING`` / ``STOP_SEQUENCE``
-    once one fired, and ``condition`` names it (the string, or the id list).
-    """
-
-    def __init__(self, detokenizer, *, stop: Iterable[str] = (), stop_token_ids=(),
-                 include_stop_string: bool = False):
-        self.detokenizer = detokenizer
-        self.strings = StopStringMatcher(stop, include_stop_string=include_stop_string)
-        self.sequences = StopSequenceMatcher(stop_token_ids or [], include=include_stop_string)
-        self.stop_reason: StopReason | None = None
-        self.condition: str | list[int] | None = None
-
-    @property
-    def text(self) -> str:
-        """Everything released so far."""
-        return self.strings.text
-
-    def _to_text(self, ids: list[int], final: bool = False) -> str:
-        pieces = "".join(self.detokenizer.add(i) for i in ids)
-        if final:
-            pieces += self.detokenizer.flush()
-        delta = self.strings.push(pieces)
-        if self.strings.matched is not None and self.stop_reason is None:
-            self.stop_reason, self.condition = StopReason.STOP_STRING, self.strings.matched
-        return delta
-
-    def add(self, token_id: int) -> str:
-        """Feed one generated id (not an EOS); return the text delta it releases (often "")."""
-        if self.stop_reason is not None:
-            return ""
-        delta = self._to_text(self.sequences.push(token_id))
-        if self.sequences.matched is not None and self.stop_reason is None:
-            self.stop_reason, self.condition = StopReason.STOP_SEQUENCE, list(self.sequences.matched)
-            delta += self._to_text([], final=True)
-        return delta
-
-    def finish(self) -> str:
-        """End of the request: release held ids and text (a held stop-string prefix included)."""
-        delta = self._to_text(self.sequences.flush(), final=True) if self.stop_reason is None else ""
-        return delta + (self.strings.flush() if self.strings.matched is None else "")

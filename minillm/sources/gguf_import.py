@@ -27,13 +27,14 @@ import os
 import pathlib
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from .errors import GGUFError
-from .gguf_tokenizer import build_tokenizer
+from minillm.errors import GGUFError
+from minillm.sources.gguf_tokenizer import build_tokenizer
 
 GGUF_MAGIC = b"GGUF"
 _REQUIRED = object()  # marks a metadata key that has no sensible default

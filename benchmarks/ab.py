@@ -1,0 +1,111 @@
+"""A/B: this checkout's forward pass against an earlier commit's, in one process, in alternation.
+
+    python -m benchmarks.ab --before HEAD~3            # decode step and prefill-512, ratios printed
+
+Why one process and alternation: on a shared machine the speed of memory and of the BLAS drifts
+from one minute to the next, so two runs minutes apart compare the minutes, not the code. Here
+both versions load the same model folder, and each round times the earlier version then this
+one, back to back; the medians of the rounds are compared.
+
+The earlier version is exported with ``git archive`` into a temporary folder as the package
+``minillm_before`` (its ``minillm`` imports rewritten), so both import side by side. Results
+go to ``benchmarks/results/local/ab.json`` (untracked) unless ``--json`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_JSON = ROOT / "benchmarks" / "results" / "local" / "ab.json"
+
+
+def export_before(rev: str, into: Path) -> str:
+    """Export ``rev``'s ``minillm/`` as the package ``minillm_before`` under ``into``; returns its name."""
+    tar = subprocess.run(["git", "archive", rev, "minillm", "weights_manifest.toml"], cwd=ROOT, check=True,
+                         capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        archive.extractall(into, filter="data")
+    package = into / "minillm_before"
+    (into / "minillm").rename(package)
+    (into / "weights_manifest.toml").rename(package / "weights_manifest.toml")
+    for file in package.rglob("*.py"):  # absolute imports of minillm -> minillm_before
+        text = file.read_text()
+        file.write_text(re.sub(r"\bminillm(?=[.\s])", "minillm_before", text))
+    return "minillm_before"
+
+
+def time_decode(m, model, steps: int, context: int) -> float:
+    """Median seconds of one decode step at ``context`` positions (greedy ids, fresh cache)."""
+    ids = np.arange(100, 100 + context) % model.config.vocab_size
+    cache = m.KVCache.for_model(model.config, max_seq_len=context + steps + 1)
+    logits = m.prefill(model, ids, cache)
+    times = []
+    for _ in range(steps):
+        token = int(np.argmax(logits))
+        t = time.perf_counter()
+        logits = m.decode_step(model, token, cache)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def time_prefill(m, model, tokens: int) -> float:
+    """Seconds of one prefill of ``tokens`` positions."""
+    ids = np.arange(200, 200 + tokens) % model.config.vocab_size
+    cache = m.KVCache.for_model(model.config, max_seq_len=tokens)
+    t = time.perf_counter()
+    m.prefill(model, ids, cache)
+    return time.perf_counter() - t
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", required=True, help="the earlier git revision (e.g. HEAD~3 or a commit)")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (default 7)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per round (default 32)")
+    parser.add_argument("--context", type=int, default=64, help="positions in the cache while decoding")
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"where to write results ({DEFAULT_JSON})")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.path.insert(0, tmp)
+        before = importlib.import_module(export_before(args.before, Path(tmp)))
+        import minillm as after
+
+        models = {"before": before.load(args.model, progress=False), "after": after.load(args.model, progress=False)}
+        modules = {"before": before, "after": after}
+        times: dict[str, dict[str, list[float]]] = {k: {"decode_s": [], "prefill_s": []} for k in models}
+        for _ in range(args.rounds):
+            for name in ("before", "after"):
+                m, model = modules[name], models[name]
+                times[name]["decode_s"].append(time_decode(m, model, args.steps, args.context))
+                times[name]["prefill_s"].append(time_prefill(m, model, args.prefill_tokens))
+    report = {"before": args.before, "rounds": args.rounds, "steps": args.steps, "context": args.context,
+              "prefill_tokens": args.prefill_tokens, "times": times}
+    for figure in ("decode_s", "prefill_s"):
+        b, a = statistics.median(times["before"][figure]), statistics.median(times["after"][figure])
+        report[figure] = {"before": b, "after": a, "after_over_before": a / b}
+        print(f"{figure:10s} before {b * 1e3:8.2f} ms   after {a * 1e3:8.2f} ms   after / before {a / b:.3f}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

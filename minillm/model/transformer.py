@@ -1,0 +1,233 @@
+"""The transformer: token ids + a KV cache -> logits. The one forward pass minillm has.
+
+Read top to bottom: ``forward`` embeds the tokens and runs every ``decoder_layer``: an
+``attention_block`` and an ``mlp_block``, each added to the residual stream::
+
+    x = embed(ids) [* sqrt(d_model): Gemma] [+ learned positions: GPT-2]
+    per layer:  h = norm(x)                          RMSNorm | LayerNorm (GPT-2)
+                q, k, v = h @ W_qkv.T [+ b_qkv]       biases: GPT-2, Qwen 2
+                q, k = norm(q), norm(k)               QK-norm: Qwen 3, Gemma 3
+                q, k = RoPE(q), RoPE(k)               not GPT-2; Gemma's sliding layers: own base
+                z = attention(q, K, V, mask)          causal | sliding-window mask; K, V from the cache
+                a = z @ W_o.T [+ b_o]; [a = norm(a)]  post-norm: Gemma 3
+                x = x + a
+                h = norm(x); m = MLP(h); [m = norm(m)]  SwiGLU | GeGLU | GPT-2's plain MLP
+                x = x + m
+    logits = norm(x) @ W_head.T [soft-capped, if final_logit_softcapping is set]
+
+``prefill`` and ``decode_step`` (``runtime/steps.py``) both call :meth:`Transformer.forward`; they
+differ only in how many positions they feed. The positions come from the cache's ``length``, and
+the masks use the same rule with that offset (``primitives.causal_mask``).
+
+Every family runs through the same lines; where one differs, a flag of ``ModelConfig`` says so
+(set in ``families.py``). The math is ``primitives.py``; the weights' layout is ``weights.py``.
+Two things hook in from outside without living in these lines: unmerged LoRA adapters add their
+low-rank paths inside ``LayerWeights.project`` (``lora.py``), and activation capture is a ``hook``
+the blocks call once with their intermediates, named as in TransformerLens (embed, resid_pre, q,
+k, v, rot_q, rot_k, pattern, z, attn_out, resid_mid, mlp_out, resid_post). The reference
+implementations are transformers' ``models/{llama,gpt2,qwen2,qwen3,gemma3}/modeling_*.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from minillm.model import primitives
+from minillm.model.config import ModelConfig
+from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
+from minillm.model.kv_cache import KVCache
+from minillm.model.weights import LayerWeights, Weights
+
+#: ``hook(**intermediates)``: called once per block with its named arrays (capture, lessons).
+Hook = Callable[..., None]
+
+
+class Transformer:
+    """A decoder-only transformer: weights (shared by every request) and its RoPE tables.
+
+    Per-request state (the KV cache) is passed in, never stored here, so one loaded model can
+    serve request after request.
+    """
+
+    def __init__(self, config: ModelConfig, weights: Weights):
+        self.config = config
+        self.weights = weights
+        self.act = primitives.ACTIVATIONS[config.hidden_act]
+        self.layer_types = [config.layer_type(i) for i in range(config.num_hidden_layers)]
+        # RoPE speeds per layer type: Gemma 3's sliding layers turn with their own (local) base.
+        self.inv_freq: dict[LayerType, np.ndarray] = {}
+        if config.position_embedding is PositionKind.ROPE:
+            full = primitives.rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+            self.inv_freq[LayerType.FULL] = full
+            if LayerType.SLIDING in self.layer_types:
+                local = config.rope_local_theta
+                self.inv_freq[LayerType.SLIDING] = (
+                    full if local is None else primitives.rope_inverse_frequencies(config.head_dim, local)
+                )
+        empty = np.zeros((0, config.head_dim), dtype=np.float32)
+        self._tables = {t: (empty, empty) for t in self.inv_freq}  # layer type -> (cos, sin) [n, head_dim]
+
+    # --- per-call tables: RoPE angles and masks ------------------------------------------------------
+    def rope(self, positions: np.ndarray, layer_type: LayerType = LayerType.FULL) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin ``[seq, head_dim]`` for ``positions`` in layers of ``layer_type``; the tables
+        are computed once and grown on need."""
+        cos, sin = self._tables[layer_type]
+        needed = int(positions.max()) + 1
+        if needed > len(cos):
+            size = max(needed, min(2 * len(cos), self.config.max_position_embeddings), 256)
+            cos, sin = self._tables[layer_type] = primitives.rope_tables(np.arange(size), self.inv_freq[layer_type])
+        return cos[positions], sin[positions]
+
+    def masks(self, seq: int, start: int) -> dict[LayerType, np.ndarray]:
+        """The additive mask ``[seq, start + seq]`` per layer type present in this model."""
+        masks = {LayerType.FULL: primitives.causal_mask(seq, start + seq, offset=start)}
+        if LayerType.SLIDING in self.layer_types:
+            masks[LayerType.SLIDING] = primitives.sliding_window_mask(
+                seq, start + seq, offset=start, window=self.config.sliding_window
+            )
+        return masks
+
+    def norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        """The family's norm over the last axis: RMSNorm, or LayerNorm with bias (GPT-2)."""
+        if self.config.norm is NormKind.LAYERNORM:
+            return primitives.layer_norm(x, weight, bias, self.config.norm_eps)
+        return primitives.rms_norm(x, weight, self.config.norm_eps)
+
+    # --- the forward pass ----------------------------------------------------------------------------
+    def forward(
+        self,
+        token_ids: np.ndarray,
+        cache: KVCache | None = None,
+        *,
+        last_only: bool = False,
+        capture: dict[str, np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """Run the model over ``token_ids`` at positions ``cache.length ..``.
+
+        Args:
+            token_ids: ``[seq]`` integer ids.
+            cache: the request's KV cache, written at ``cache.length..+seq`` and advanced by
+                ``seq``. ``None`` attends over these ``seq`` tokens only (a full recomputation,
+                the "no cache" baseline).
+            last_only: compute logits for the last position only (what generation needs; saves
+                a ``[seq, d_model] @ [d_model, vocab]`` product in prefill).
+            capture: if a dict, intermediates are stored in it under TransformerLens names
+                (``embed``, ``blocks.{i}.attn.pattern`` ``[n_heads, seq, ctx]``,
+                ``blocks.{i}.resid_post`` ``[seq, d_model]``, ...).
+
+        Returns:
+            float32 logits ``[seq, vocab]`` (``[1, vocab]`` with ``last_only``).
+
+        Raises:
+            KVCacheFullError: the cache has no room for ``seq`` more positions.
+            KVCacheMismatchError: the cache was built for another model.
+        """
+        cfg, w = self.config, self.weights
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        seq = token_ids.shape[0]
+        start = 0
+        if cache is not None:
+            cache.check_compatible(cfg)
+            cache.check_room(seq)  # the one room check of a forward pass
+            start = cache.length
+        positions = np.arange(start, start + seq)  # [seq]
+        rope = {t: self.rope(positions, t) for t in self.inv_freq}  # layer type -> (cos, sin) [seq, head_dim]
+        masks = self.masks(seq, start)  # layer type -> [seq, ctx]
+
+        x = primitives.embed(token_ids, w.embed_tokens)  # [seq, d_model]
+        if cfg.embed_scale is not None:  # Gemma: sqrt(d_model), in the activation dtype (float32)
+            x = x * np.float32(cfg.embed_scale)
+        if cfg.position_embedding is PositionKind.LEARNED:  # GPT-2: a learned vector per absolute position
+            x = x + w.pos_embed[positions]
+        if capture is not None:
+            capture["embed"] = x
+        for i, layer in enumerate(w.layers):
+            layer_type = self.layer_types[i]
+            hook = None if capture is None else _recorder(capture, f"blocks.{i}.")
+            x = self.decoder_layer(i, x, layer, rope.get(layer_type), masks[layer_type], cache, hook)
+        if cache is not None:
+            cache.advance(seq)
+
+        if last_only:
+            x = x[-1:]  # [1, d_model]
+        x = self.norm(x, w.final_norm, w.final_norm_bias)
+        logits = x @ w.lm_head.T  # [seq, d_model] @ [d_model, vocab] -> [seq, vocab]
+        if cfg.final_logit_softcapping is not None:
+            logits = primitives.softcap(logits, cfg.final_logit_softcapping)
+        return logits
+
+    def decoder_layer(self, i, x, layer: LayerWeights, rope, mask, cache=None, hook: Hook | None = None) -> np.ndarray:
+        """Decoder block ``i``: ``x + attention(norm(x))``, then ``+ mlp(norm(.))``; ``x`` ``[seq, d_model]``
+        in, the same shape out. ``rope``: (cos, sin) ``[seq, head_dim]`` for this layer's type, None
+        without RoPE; ``mask``: ``[seq, ctx]`` additive; ``cache``: a KVCache written at layer ``i``.
+        """
+        cfg = self.config
+        attn_out = self.attention_block(
+            i, self.norm(x, layer.attn_norm, layer.attn_norm_bias), layer, rope, mask, cache, hook
+        )  # [seq, d_model]
+        if cfg.post_norms:  # Gemma: normalise what attention adds
+            attn_out = self.norm(attn_out, layer.attn_post_norm)
+        resid_mid = x + attn_out
+        mlp_out = self.mlp_block(self.norm(resid_mid, layer.mlp_norm, layer.mlp_norm_bias), layer)  # [seq, d_model]
+        if cfg.post_norms:
+            mlp_out = self.norm(mlp_out, layer.mlp_post_norm)
+        resid_post = resid_mid + mlp_out
+        if hook is not None:
+            hook(resid_pre=x, attn_out=attn_out, resid_mid=resid_mid, mlp_out=mlp_out, resid_post=resid_post)
+        return resid_post
+
+    def attention_block(
+        self, i, h, layer: LayerWeights, rope, mask, cache=None, hook: Hook | None = None
+    ) -> np.ndarray:
+        """Self-attention over the normed ``h`` ``[seq, d_model]`` -> what it adds, ``[seq, d_model]``
+        (arguments as :meth:`decoder_layer`). q, k, v from one fused projection; QK-norm and RoPE on
+        q and k; this call's k and v written to the cache, and attention over every filled position
+        (Vaswani et al. 2017).
+        """
+        cfg = self.config
+        seq = h.shape[0]
+        n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv = layer.project("qkv", h)  # [seq, q_dim + 2 kv_dim]
+        q, k, v = np.split(qkv, [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=-1)
+        q = q.reshape(seq, n_heads, hd).transpose(1, 0, 2)  # [n_heads, seq, head_dim]
+        k = k.reshape(seq, n_kv, hd).transpose(1, 0, 2)  # [n_kv_heads, seq, head_dim]
+        v = v.reshape(seq, n_kv, hd).transpose(1, 0, 2)  # [n_kv_heads, seq, head_dim]
+        rot_q, rot_k = q, k
+        if cfg.qk_norm:  # each head's q and k to unit RMS, before RoPE
+            rot_q = primitives.rms_norm(rot_q, layer.q_norm, cfg.norm_eps)
+            rot_k = primitives.rms_norm(rot_k, layer.k_norm, cfg.norm_eps)
+        if rope is not None:
+            cos, sin = rope
+            rot_q = primitives.apply_rope(rot_q, cos, sin)
+            rot_k = primitives.apply_rope(rot_k, cos, sin)
+        # the cache keeps keys already rotated: a key's position never changes
+        keys, values = (rot_k, v) if cache is None else cache.write(i, rot_k, v)  # [n_kv_heads, ctx, head_dim]
+        z, pattern = primitives.attention(rot_q, keys, values, mask, cfg.attn_scale)  # [n_heads, seq, head_dim]
+        attn_out = layer.project("o", z.transpose(1, 0, 2).reshape(seq, cfg.q_dim))  # [seq, d_model]
+        if hook is not None:
+            named = {"q": q, "k": k, "v": v, "rot_q": rot_q, "rot_k": rot_k, "pattern": pattern, "z": z}
+            hook(**{"attn." + name: value for name, value in named.items()})
+        return attn_out
+
+    def mlp_block(self, h: np.ndarray, layer: LayerWeights) -> np.ndarray:
+        """The family's MLP on the normed ``h`` ``[seq, d_model]`` -> ``[seq, d_model]``.
+
+        Gated (SwiGLU with SiLU, GeGLU with GELU; Shazeer 2020): ``down(act(gate(h)) * up(h))``.
+        Plain (GPT-2): ``down(act(up(h)))``.
+        """
+        if self.config.mlp is MlpKind.GATED:
+            gate_up = layer.project("gate_up", h)  # [seq, 2 * ffn]: gate | up
+            gate, up = np.split(gate_up, 2, axis=-1)  # each [seq, ffn]
+            return layer.project("down", self.act(gate) * up)
+        return layer.project("down", self.act(layer.project("up", h)))
+
+
+def _recorder(capture: dict[str, np.ndarray], prefix: str) -> Hook:
+    """A hook that stores each named intermediate in ``capture`` under ``prefix + name``."""
+
+    def record(**named: np.ndarray) -> None:
+        capture.update({prefix + name: value for name, value in named.items()})
+
+    return record

@@ -1,0 +1,329 @@
+"""Weights: safetensors files -> float32 NumPy arrays in one internal layout.
+
+Every family's Hugging Face tensor names (``families.NAME_MAPS``) are mapped here onto the same
+:class:`Weights` layout, so ``transformer.py`` has one forward pass. Projections are stored like
+``torch.nn.Linear`` stores them, ``[out, in]``, and the forward reads ``x @ W.T`` (PyTorch's
+``F.linear``), so a minillm matrix compares with transformers' tensor directly. q/k/v (and gate/up)
+are stacked at load so each is one contiguous matrix multiply.
+
+Why ``[out, in]`` and not the textbook's ``[in, out]``: the files already hold it (nothing to
+transpose at load, and a tensor compares with transformers' directly), and in decode each output
+is a dot product over one contiguous row (``benchmarks/speed.py`` measures both).
+
+Three layouts arrive on disk, and each is turned into ours once, here, never per token:
+
+- HF ``nn.Linear`` weights are ``[out, in]``: kept.
+- GPT-2's ``Conv1D`` weights are ``[in, out]``: transposed. Its ``c_attn`` already fuses q|k|v.
+- Gemma's RMSNorm weights ``w`` are applied as ``(1 + w)`` (``Gemma3RMSNorm``): the ``1`` is added
+  here, so ``primitives.rms_norm`` is the same function for every family.
+
+Stored dtypes: float32, float16 and bfloat16 (also float64), from one file or a sharded
+checkpoint; ``safetensors_file.py`` reads them with ``safetensors`` (bfloat16 widened to float32 exactly).
+Tensors a family does not need are left unread and listed in ``Weights.unused_tensors``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from minillm.errors import WeightsError
+from minillm.model import primitives
+from minillm.model.config import ModelConfig
+from minillm.model.families import CONV1D_FAMILIES, NAME_MAPS, OPTIONAL_PREFIX, MlpKind, NormKind, PositionKind
+from minillm.sources.safetensors_file import StoredTensor, dtype_name, itemsize, read_safetensors_header, weight_files
+
+
+@dataclass
+class LayerWeights:
+    """One decoder block, float32. Shapes: d_model = hidden_size, ffn = intermediate_size; every
+    projection is ``[out, in]`` (``torch.nn.Linear``'s layout).
+
+    The optional fields are None in families that lack them.
+    """
+
+    attn_norm: np.ndarray  # [d_model]
+    w_qkv: np.ndarray  # [q_dim + 2 * kv_dim, d_model]   (q | k | v rows)
+    w_o: np.ndarray  # [d_model, q_dim]
+    mlp_norm: np.ndarray  # [d_model]  (Gemma: pre_feedforward_layernorm)
+    w_down: np.ndarray  # [d_model, ffn]
+    w_gate_up: np.ndarray | None = None  # [2 * ffn, d_model] (gate | up rows), gated MLPs
+    w_up: np.ndarray | None = None  # [ffn, d_model], plain MLP (GPT-2)
+    attn_norm_bias: np.ndarray | None = None  # [d_model], LayerNorm (GPT-2)
+    mlp_norm_bias: np.ndarray | None = None  # [d_model], LayerNorm (GPT-2)
+    b_qkv: np.ndarray | None = None  # [q_dim + 2 * kv_dim] (GPT-2, Qwen 2)
+    b_o: np.ndarray | None = None  # [d_model]
+    b_gate_up: np.ndarray | None = None  # [2 * ffn]
+    b_up: np.ndarray | None = None  # [ffn]
+    b_down: np.ndarray | None = None  # [d_model]
+    q_norm: np.ndarray | None = None  # [head_dim] (Qwen 3, Gemma 3)
+    k_norm: np.ndarray | None = None  # [head_dim]
+    attn_post_norm: np.ndarray | None = None  # [d_model] (Gemma 3: post_attention_layernorm)
+    mlp_post_norm: np.ndarray | None = None  # [d_model] (Gemma 3: post_feedforward_layernorm)
+    # Low-rank paths beside a projection: unmerged LoRA adapters (lora.py), weight field ("w_qkv", ...)
+    # -> its active LoraDeltas; ``project`` adds them.
+    lora: dict[str, list] = field(default_factory=dict)
+
+    def arrays(self):
+        """Yield every parameter array of the block (skipping the absent ones; adapters not counted)."""
+        for ffn in fields(self):
+            if isinstance(a := getattr(self, ffn.name), np.ndarray):
+                yield a
+
+    def project(self, name: str, x: np.ndarray) -> np.ndarray:
+        """``x @ W.T (+ b)`` for projection ``name`` (``"qkv"``, ``"o"``, ``"gate_up"``, ``"up"``,
+        ``"down"``): ``x`` ``[seq, in]`` -> ``[seq, out]``, plus the low-rank path of every active
+        unmerged LoRA adapter on it (each a :class:`~minillm.model.lora.LoraDelta`, adding
+        ``[seq, rows]`` to its own output rows)."""
+        y = primitives.linear(x, getattr(self, "w_" + name), getattr(self, "b_" + name))
+        for path in self.lora.get("w_" + name, ()):
+            y[:, path.rows] += path(x)
+        return y
+
+    def projections(self):
+        """Yield the block's matrices, the ones a token's matrix products stream through:
+        ``w_qkv``, ``w_o``, ``w_gate_up`` (or GPT-2's ``w_up``), ``w_down``."""
+        for a in (self.w_qkv, self.w_o, self.w_gate_up, self.w_up, self.w_down):
+            if a is not None:
+                yield a
+
+
+@dataclass
+class Weights:
+    """All parameters, float32, plus bookkeeping for the trace."""
+
+    embed_tokens: np.ndarray  # [vocab, d_model]
+    layers: list[LayerWeights]
+    final_norm: np.ndarray  # [d_model]
+    lm_head: np.ndarray  # [vocab, d_model]; the very array embed_tokens when tied
+    pos_embed: np.ndarray | None = None  # [max_positions, d_model], learned positions (GPT-2)
+    final_norm_bias: np.ndarray | None = None  # [d_model], LayerNorm (GPT-2)
+    stored_dtypes: Counter = field(default_factory=Counter)  # {"bfloat16": n_params, ...} as on disk
+    stored_bytes: Counter = field(default_factory=Counter)  # {"bfloat16": bytes, ...} as on disk
+    unused_tensors: list[str] = field(default_factory=list)  # in the files, not needed
+    files: list[Path] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # {"read": bytes -> float32, "convert": layout}
+
+    def arrays(self):
+        """Yield every distinct parameter array once (a tied head is not counted twice)."""
+        yield self.embed_tokens
+        for extra in (self.pos_embed, self.final_norm_bias):
+            if extra is not None:
+                yield extra
+        for layer in self.layers:
+            yield from layer.arrays()
+        yield self.final_norm
+        if not np.shares_memory(self.lm_head, self.embed_tokens):
+            yield self.lm_head
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(a.size for a in self.arrays())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in memory as loaded (float32)."""
+        return sum(a.nbytes for a in self.arrays())
+
+
+def _read_tensors(files: list[Path]) -> tuple[dict[str, StoredTensor], Counter, Counter]:
+    """Map every tensor of every file, counting parameters and bytes per stored dtype."""
+    tensors: dict[str, StoredTensor] = {}
+    counts: Counter = Counter()
+    nbytes: Counter = Counter()
+    for file in files:
+        for name, t in read_safetensors_header(file).items():
+            n = int(np.prod(t.shape, dtype=np.int64))
+            counts[dtype_name(t.dtype)] += n
+            nbytes[dtype_name(t.dtype)] += n * itemsize(t.dtype)
+            tensors[name] = t
+    return tensors, counts, nbytes
+
+
+# --- loading ---------------------------------------------------------------------------------------
+class WeightBlock:
+    """One float32 allocation the model's matrices are carved from, in the order the forward reads them.
+
+    Why one block and not an array per matrix: NumPy asks Linux for 2 MiB "huge" memory pages only
+    for arrays of 4 MiB or more, and smaller matrices on 4 KiB pages cost address translations
+    (TLB misses) on every decode step. Carved from one block, every matrix lies on huge pages,
+    streamed one after another. The price is paid once, at load: the first write to each 2 MiB
+    page is slower (the README's speed section has the measured figures).
+    """
+
+    def __init__(self, size: int):
+        self.data = np.empty(size, dtype=np.float32)  # [size]; pages are committed as they are written
+        self.used = 0
+
+    def carve(self, rows: int, cols: int) -> np.ndarray:
+        """The next ``[rows, cols]`` float32 view of the block (uninitialised: the caller fills it)."""
+        start, self.used = self.used, self.used + rows * cols
+        if self.used > self.data.size:
+            raise ValueError(f"the weight block holds {self.data.size:,} values, carving past it")
+        return self.data[start : self.used].reshape(rows, cols)
+
+
+def load_weights(folder: str | os.PathLike, config: ModelConfig) -> Weights:
+    """Load a model folder's safetensors into the internal float32 layout.
+
+    Returns:
+        Weights with projections ``[out, in]`` and fused (q|k|v, gate|up), norms
+        with Gemma's ``1 +`` folded in, and ``unused_tensors``: names in the files this family
+        does not need (e.g. a GPT-2 ``attn.bias`` mask buffer), ignored.
+
+    Raises:
+        WeightsError: unreadable file, a tensor missing, a tensor of the wrong shape (the message
+            names the tensor, the expected and the found shape), or one stored in a dtype minillm
+            does not read.
+    """
+    family = config.family
+    names = NAME_MAPS[family]
+    t0 = time.perf_counter()
+    files = weight_files(folder)
+    tensors, counts, nbytes = _read_tensors(files)
+    t1 = time.perf_counter()
+    used: set[str] = set()
+    reading = [t1 - t0]  # seconds spent reading bytes (headers, then each tensor as it is taken)
+    prefix = OPTIONAL_PREFIX.get(family)
+
+    d_model, ffn, vocab, hd = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
+    q_dim, kv_dim = config.q_dim, config.kv_dim
+
+    def find(key: str, i: int | None) -> str | None:
+        name = names[key].format(i=i)
+        if name in tensors:
+            return name
+        if prefix and name.startswith(prefix) and name[len(prefix) :] in tensors:
+            return name[len(prefix) :]
+        return None
+
+    def take(key: str, shape: tuple[int, ...], i: int | None = None) -> np.ndarray:
+        name = find(key, i)
+        if name is None:
+            raise WeightsError(
+                f"tensor {names[key].format(i=i)!r} is missing from {Path(folder)}; the checkpoint is "
+                f"incomplete or not a {config.model_type} model with this config.json. Re-download it."
+            )
+        stored = tensors[name]
+        if stored.shape != shape:
+            raise WeightsError(
+                f"tensor {name!r} has shape {stored.shape}, expected {shape} from config.json; "
+                "the weights and config.json belong to different models."
+            )
+        t = time.perf_counter()
+        try:
+            array = stored.to_float32()
+        except WeightsError as exc:
+            raise WeightsError(f"tensor {name!r}: {exc}") from None
+        reading[0] += time.perf_counter() - t
+        used.add(name)
+        return array
+
+    def linear_into(out: np.ndarray, key: str, in_dim: int, out_dim: int, i: int) -> np.ndarray:
+        """Write a projection into ``out`` as ``[out_dim, in_dim]``, whichever way the file stores it."""
+        if family in CONV1D_FAMILIES:  # Conv1D [in, out] -> [out, in]
+            out[...] = take(key, (in_dim, out_dim), i).T
+        else:  # nn.Linear: already [out, in]
+            out[...] = take(key, (out_dim, in_dim), i)
+        return out
+
+    def norm(key: str, dim: int, i: int | None = None) -> np.ndarray:
+        w = take(key, (dim,), i)
+        if config.norm_weight_offset:  # Gemma3RMSNorm: x_normed * (1 + w), in float32
+            w = w + np.float32(config.norm_weight_offset)
+        return w
+
+    def maybe(cond: bool, key: str, shape: tuple[int, ...], i: int | None = None) -> np.ndarray | None:
+        return take(key, shape, i) if cond else None
+
+    gated, tied = config.mlp is MlpKind.GATED, config.tie_word_embeddings
+    per_layer = (q_dim + 2 * kv_dim) * d_model + d_model * q_dim + (2 if gated else 1) * ffn * d_model + d_model * ffn
+    block = WeightBlock(vocab * d_model * (1 if tied else 2) + config.num_hidden_layers * per_layer)
+    # The largest tensor first: while it is read, its mapped file pages and its copy both count in
+    # the resident set, and this way nothing else is loaded yet (peak RSS).
+    embed = block.carve(vocab, d_model)
+    embed[...] = take("embed_tokens", (vocab, d_model))
+    layers = []
+    for i in range(config.num_hidden_layers):
+        # Carved in the order the forward reads them: q|k|v, o, gate|up (or up), down.
+        w_qkv = block.carve(q_dim + 2 * kv_dim, d_model)  # q | k | v rows: one matrix multiply gives all three
+        if "qkv" in names:  # GPT-2: one fused Conv1D [d_model, 3 d_model]
+            linear_into(w_qkv, "qkv", d_model, q_dim + 2 * kv_dim, i)
+            b_qkv = maybe(config.qkv_bias, "qkv_bias", (q_dim + 2 * kv_dim,), i)
+        else:
+            linear_into(w_qkv[:q_dim], "q", d_model, q_dim, i)
+            linear_into(w_qkv[q_dim : q_dim + kv_dim], "k", d_model, kv_dim, i)
+            linear_into(w_qkv[q_dim + kv_dim :], "v", d_model, kv_dim, i)
+            b_qkv = (
+                np.concatenate(
+                    [take("q_bias", (q_dim,), i), take("k_bias", (kv_dim,), i), take("v_bias", (kv_dim,), i)]
+                )
+                if config.qkv_bias
+                else None
+            )
+        w_o = linear_into(block.carve(d_model, q_dim), "o", q_dim, d_model, i)  # [d_model, q_dim]
+        w_gate_up = w_up = b_gate_up = b_up = None
+        if gated:
+            w_gate_up = block.carve(2 * ffn, d_model)  # gate | up rows
+            linear_into(w_gate_up[:ffn], "gate", d_model, ffn, i)
+            linear_into(w_gate_up[ffn:], "up", d_model, ffn, i)
+            b_gate_up = (
+                np.concatenate([take("gate_bias", (ffn,), i), take("up_bias", (ffn,), i)]) if config.mlp_bias else None
+            )
+        else:
+            w_up = linear_into(block.carve(ffn, d_model), "up", d_model, ffn, i)  # [ffn, d_model]
+            b_up = maybe(config.mlp_bias, "up_bias", (ffn,), i)
+        w_down = linear_into(block.carve(d_model, ffn), "down", ffn, d_model, i)  # [d_model, ffn]
+        layernorm = config.norm is NormKind.LAYERNORM
+        layers.append(
+            LayerWeights(
+                attn_norm=norm("attn_norm", d_model, i),
+                attn_norm_bias=maybe(layernorm, "attn_norm_bias", (d_model,), i),
+                w_qkv=w_qkv,
+                b_qkv=b_qkv,
+                q_norm=norm("q_norm", hd, i) if config.qk_norm else None,
+                k_norm=norm("k_norm", hd, i) if config.qk_norm else None,
+                w_o=w_o,
+                b_o=maybe(config.o_bias, "o_bias", (d_model,), i),
+                attn_post_norm=norm("attn_post_norm", d_model, i) if config.post_norms else None,
+                mlp_norm=norm("mlp_norm", d_model, i),
+                mlp_norm_bias=maybe(layernorm, "mlp_norm_bias", (d_model,), i),
+                w_gate_up=w_gate_up,
+                b_gate_up=b_gate_up,
+                w_up=w_up,
+                b_up=b_up,
+                w_down=w_down,
+                b_down=maybe(config.mlp_bias, "down_bias", (d_model,), i),
+                mlp_post_norm=norm("mlp_post_norm", d_model, i) if config.post_norms else None,
+            )
+        )
+    if tied:
+        if (name := find("lm_head", None)) is not None:
+            used.add(name)  # some files carry the tied copy anyway; the model uses the embedding
+        lm_head = embed  # tied head: the embedding itself, no second copy
+    else:
+        lm_head = block.carve(vocab, d_model)  # [vocab, d_model]
+        lm_head[...] = take("lm_head", (vocab, d_model))
+    learned = config.position_embedding is PositionKind.LEARNED
+    pos_embed = take("pos_embed", (config.max_position_embeddings, d_model)) if learned else None
+    final_norm = norm("final_norm", d_model)
+    final_norm_bias = maybe(config.norm is NormKind.LAYERNORM, "final_norm_bias", (d_model,))
+    t2 = time.perf_counter()
+    return Weights(
+        embed_tokens=embed,
+        layers=layers,
+        final_norm=final_norm,
+        lm_head=lm_head,
+        pos_embed=pos_embed,
+        final_norm_bias=final_norm_bias,
+        stored_dtypes=counts,
+        stored_bytes=nbytes,
+        unused_tensors=sorted(set(tensors) - used),
+        files=files,
+        seconds={"read": reading[0], "convert": t2 - t0 - reading[0]},
+    )

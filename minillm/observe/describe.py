@@ -1,0 +1,268 @@
+"""From what the runtime reports to what the trace shows: one function per phase.
+
+The runtime tells a listener *facts* (token ids, the sampler's probabilities, seconds, the stop
+reason) and hands it the :class:`~minillm.runtime.loading.Model` for context. These functions
+turn them into the plain data a :class:`~minillm.observe.events.TraceEvent` carries: pieces a
+person can read, the top candidates, the causal mask as a picture, the stop's sentence, the
+memory tables and the diagnosis. Nothing here runs unless someone listens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from minillm.model.config import ModelConfig
+from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
+from minillm.observe.diagnosis import diagnose
+from minillm.observe.metrics import blas_summary, blas_threads, kv_memory_table, weight_memory_table
+from minillm.runtime.sampling import top_candidates
+from minillm.runtime.stopping import StopReason
+
+MASK_GRID_MAX = 12  # draw the causal mask as a grid for prompts up to this many tokens
+CANDIDATES = 5  # candidates shown per step
+
+
+def mask_picture(mask: np.ndarray, visible: str = "0", hidden: str = "-") -> str:
+    """Draw an additive mask ``[seq, ctx]`` as text, one row per query: ``visible`` where a query
+    may look, ``hidden`` where not (the trace draws ``■`` and ``·``)."""
+    return "\n".join(" ".join(visible if v == 0 else hidden for v in row) for row in mask)
+
+
+def config_rows(config: ModelConfig) -> dict[str, Any]:
+    """The rows a trace shows at load: the shapes, then the flags that set this family apart.
+
+    Every model shows family, sizes, norm, positions and MLP; a flag appears only when it
+    differs from a plain Llama (biases, QK-norm, post-norms, embedding scale, attention scale,
+    sliding windows, soft-capping, RoPE scaling), so the rows that show *are* the differences.
+    """
+    rows: dict[str, Any] = {
+        "family": config.family if config.family == config.model_type else f"{config.family} ({config.model_type})",
+        "layers": config.num_hidden_layers,
+        "d_model": config.hidden_size,
+        "heads": config.num_attention_heads,
+        "kv_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "ffn": config.intermediate_size,
+        "vocab": config.vocab_size,
+        "context": config.max_position_embeddings,
+    }
+    norm = "LayerNorm (with bias)" if config.norm is NormKind.LAYERNORM else "RMSNorm"
+    rows["norm"] = norm + (" x (1 + w)" if config.norm_weight_offset else "") + f", eps {config.norm_eps:g}"
+    if config.position_embedding is PositionKind.LEARNED:
+        rows["positions"] = f"learned table [{config.max_position_embeddings}, {config.hidden_size}]"
+    else:
+        rows["positions"] = f"RoPE theta {config.rope_theta:g}"
+        if config.rope_scaling:
+            rows["rope_scaling"] = ", ".join(f"{k} {v}" for k, v in config.rope_scaling.items())
+        if config.rope_local_theta is not None and LayerType.SLIDING in config.layer_types:
+            rows["rope_local_theta"] = f"{config.rope_local_theta:g} (sliding layers)"
+    act = {"silu": "SiLU", "gelu_tanh": "GELU tanh"}.get(config.hidden_act, config.hidden_act)
+    glu = {"silu": "SwiGLU", "gelu_tanh": "GeGLU"}.get(config.hidden_act, f"gated {act}")
+    rows["mlp"] = glu if config.mlp is MlpKind.GATED else f"up, {act}, down"
+    if config.qkv_bias or config.o_bias or config.mlp_bias:
+        rows["biases"] = ", ".join(
+            n for n, on in (("q/k/v", config.qkv_bias), ("o", config.o_bias), ("mlp", config.mlp_bias)) if on
+        )
+    if config.qk_norm:
+        rows["qk_norm"] = "RMSNorm on q and k (per head)"
+    if config.post_norms:
+        rows["post_norms"] = "after attention and after MLP"
+    if config.embed_scale is not None:
+        rows["embed_scale"] = f"{config.embed_scale:.4f} (sqrt d_model)"
+    if config.query_pre_attn_scalar is not None:
+        rows["attn_scale"] = f"query_pre_attn_scalar {config.query_pre_attn_scalar:g} ** -0.5"
+    if LayerType.SLIDING in config.layer_types:
+        n = config.layer_types.count(LayerType.SLIDING)
+        rows["sliding_window"] = f"{config.sliding_window} on {n} of {config.num_hidden_layers} layers"
+    if config.final_logit_softcapping is not None:
+        rows["logit_softcap"] = config.final_logit_softcapping
+    rows["tied_lm_head"] = config.tie_word_embeddings
+    return rows
+
+
+def describe_stop(
+    reason: StopReason,
+    condition,
+    *,
+    n_new: int,
+    max_new_tokens: int,
+    n_prompt: int,
+    window: int,
+    elapsed_s: float,
+    include: bool = False,
+    eos_ids=(),
+    eos_text: str = "",
+) -> str:
+    """The trace's sentence for a stop: which condition fired, with its numbers.
+
+    ``condition`` is what fired (the EOS id, the stop string, the id sequence, the timeout in
+    seconds, what cancelled); ``window`` the positions the request could use (cache size).
+    """
+    if reason is StopReason.EOS:
+        return f"token {condition} {eos_text!r} is in the EOS set {list(eos_ids)}"
+    if reason is StopReason.MAX_NEW_TOKENS:
+        return f"{n_new} new tokens = max_new_tokens {max_new_tokens}"
+    if reason is StopReason.STOP_STRING:
+        return f"stop string {condition!r} appeared in the text; output cut {'after' if include else 'before'} it"
+    if reason is StopReason.STOP_SEQUENCE:
+        return (
+            f"stop-token sequence {condition} appeared in the new ids; its text is {'kept' if include else 'not shown'}"
+        )
+    if reason is StopReason.CANCELLED:
+        return f"cancelled ({condition}) after {n_new} new token{'' if n_new == 1 else 's'}"
+    if reason is StopReason.TIMEOUT:
+        return (
+            f"deadline of {condition} s passed after {elapsed_s:.3f} s and {n_new} new token{'' if n_new == 1 else 's'}"
+        )
+    return f"prompt {n_prompt} + new {n_new} = {n_prompt + n_new} positions fill the context of {window}"
+
+
+def _pieces(model, candidates: list[tuple[int, float]]) -> list[tuple[str, float]]:
+    """``[(token id, probability)]`` -> ``[(piece as displayed, probability)]``."""
+    return [(model.tokenizer.piece_for_display(i), p) for i, p in candidates]
+
+
+def _candidates(model, probs: np.ndarray | None) -> list[tuple[str, float]]:
+    return [] if probs is None else _pieces(model, top_candidates(probs, CANDIDATES))
+
+
+def load(model, seconds: dict[str, float]) -> dict[str, Any]:
+    """The load phase: where the model came from, its config rows, weights, tokenizer, BLAS."""
+    weights, tok, resolved = model.transformer.weights, model.tokenizer, model.resolved
+    return dict(
+        name=model.name,
+        source=resolved.source,
+        path=str(model.path),
+        notes=list(resolved.notes) + [n for a in model.adapters for n in a.notes],
+        config=config_rows(model.config),
+        seconds=seconds,
+        blas=blas_summary(),
+        adapters=[a.summary() for a in model.adapters],
+        weights={
+            "parameters": weights.num_parameters,
+            "bytes_loaded": weights.nbytes,
+            "stored": dict(weights.stored_dtypes),
+            "bytes_stored": dict(weights.stored_bytes),
+            "unused": weights.unused_tensors,
+            "seconds": dict(weights.seconds),
+        },
+        tokenizer={
+            "vocab_size": tok.vocab_size,
+            "special": " ".join(tok.special_token_texts[:12]),
+            "eos_ids": sorted(tok.eos_token_ids),
+        },
+    )
+
+
+def warmup(model, tokens: int, decode_steps: int) -> dict[str, Any]:
+    """The warm-up request: its size (its seconds are the event's duration)."""
+    return dict(tokens=tokens, decode_steps=decode_steps)
+
+
+def prepare(model, chat: bool, messages: list[dict], text: str) -> dict[str, Any]:
+    """The request as the model reads it: the templated text, its special tokens marked."""
+    return dict(
+        chat=chat,
+        messages=messages,
+        text=str(text),
+        special_tokens=[s for s in model.tokenizer.special_token_texts if s],
+    )
+
+
+def tokenize(model, ids: np.ndarray) -> dict[str, Any]:
+    """The prompt's ids and their pieces, leading spaces made visible."""
+    tok = model.tokenizer
+    ids = [int(i) for i in ids]
+    return dict(ids=ids, pieces=[tok.piece_for_display(i) for i in ids], special_ids=sorted(tok.special_token_ids))
+
+
+def prefill(model, tokens: int, offset: int, cache_length: int, probs: np.ndarray | None, token: int) -> dict[str, Any]:
+    """The prefill: positions written, the masks the forward used (as pictures), first-token candidates."""
+    cfg, transformer = model.config, model.transformer
+    sliding = transformer.layer_types.count(LayerType.SLIDING)
+    masks = {}
+    if tokens <= MASK_GRID_MAX:  # the very masks of this forward pass, [seq, ctx] each
+        masks = {str(t): mask_picture(m, "■", "·") for t, m in transformer.masks(tokens, offset).items()}
+    return dict(
+        tokens=tokens,
+        layers=cfg.num_hidden_layers,
+        offset=offset,
+        cache_length=cache_length,
+        sliding_window=cfg.sliding_window if sliding else None,
+        sliding_layers=sliding,
+        masks=masks,
+        candidates=_candidates(model, probs),
+    )
+
+
+def decode(
+    model,
+    step: int,
+    position: int,
+    input_token: int,
+    token: int,
+    probs: np.ndarray | None,
+    cache_length: int,
+    last: bool,
+    text: str,
+) -> dict[str, Any]:
+    """One decode step: the token fed at ``position``, the token chosen, its probability, the others."""
+    tok = model.tokenizer
+    return dict(
+        step=step,
+        position=position,
+        input_token=input_token,
+        input_piece=tok.piece_for_display(input_token),
+        token=token,
+        piece=tok.piece_for_display(token),
+        prob=float(probs[token]) if probs is not None else float("nan"),
+        candidates=_candidates(model, probs),
+        cache_length=cache_length,
+        last=last,
+        text=text,
+    )
+
+
+def stop(model, reason: StopReason, condition, text: str, **numbers) -> dict[str, Any]:
+    """Why the request ended, in a sentence with its numbers (:func:`describe_stop`)."""
+    tok = model.tokenizer
+    eos_text = tok.decode([condition], skip_special_tokens=False) if reason is StopReason.EOS else ""
+    return dict(
+        reason=reason.value,
+        condition=condition,
+        text=text,
+        detail=describe_stop(reason, condition, eos_ids=sorted(tok.eos_token_ids), eos_text=eos_text, **numbers),
+    )
+
+
+def summary(model, metrics, text: str, first_request: bool, others_cpu_share: float) -> dict[str, Any]:
+    """TTFT, TPOT, tokens/s, KV bytes, the memory tables, and the diagnosis of what dominated."""
+    diagnosis = diagnose(
+        metrics,
+        load_s=model.load_s,
+        warmup_s=model.warmup_s,
+        first_request=first_request,
+        text=text,
+        special_tokens=model.tokenizer.special_token_texts,
+        load_source=model.resolved.source if model.resolved else None,
+        blas_threads=blas_threads(),
+        others_cpu_share=others_cpu_share,
+    )
+    params = model.transformer.weights.num_parameters
+    return dict(
+        load_s=model.load_s,
+        warmup_s=model.warmup_s,
+        **metrics.to_dict(),
+        others_cpu_share=others_cpu_share,
+        parameters=params,
+        weight_bytes=weight_memory_table(params),
+        kv_bytes=kv_memory_table(model.config),
+        context=model.config.max_position_embeddings,
+        diagnosis={
+            "dominant": diagnosis.dominant,
+            "phase_seconds": diagnosis.phase_seconds,
+            "findings": diagnosis.findings,
+        },
+    )

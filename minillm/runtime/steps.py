@@ -1,0 +1,101 @@
+"""The request lifecycle's phases, one small function each, with no tracing code in them.
+
+    load -> tokenize -> prefill -> sample -> decode_step ... -> detokenize -> stop -> free
+
+``load`` is in ``loading.py``; ``generate.py`` runs these phases in a loop and tells listeners
+(the trace) what happened. Lifetimes follow llama2.c: a :class:`~minillm.runtime.loading.Model`
+(weights, tokenizer) lives across requests; a :class:`~minillm.model.kv_cache.KVCache` lives for
+one request and is reset or freed at its end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from minillm.errors import InvalidRequestError
+from minillm.model.kv_cache import KVCache
+from minillm.runtime import sampling
+from minillm.runtime.sampling import SamplingParams
+from minillm.text.detokenize import detokenize as _detokenize
+
+if TYPE_CHECKING:  # loading.py runs its warm-up through these steps
+    from minillm.runtime.loading import Model
+
+Prompt = str | list[dict]
+
+
+def is_chat(prompt: Prompt, chat: bool | None) -> bool:
+    """A message list always goes through the chat template; a ``str`` only with ``chat=True``."""
+    return isinstance(prompt, list) if chat is None else chat
+
+
+def prompt_text(model: Model, prompt: Prompt, *, chat: bool | None = None) -> str:
+    """The text the model will read: the chat template rendered over the messages, or the prompt.
+
+    Raises:
+        InvalidRequestError: empty prompt. ChatTemplateError: bad messages or no template.
+    """
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty; give at least one character (or one message).")
+    if not is_chat(prompt, chat):
+        return prompt
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    return model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def tokenize(model: Model, prompt: Prompt, *, chat: bool | None = None) -> np.ndarray:
+    """Turn a prompt into token ids ``[seq]`` int64.
+
+    A ``str`` is encoded as a completion prompt unless ``chat=True``; a list of
+    ``{"role", "content"}`` messages always goes through the model's chat template (rendered in a
+    jinja2 sandbox, then encoded without adding special tokens, so there is never a second BOS).
+
+    Raises:
+        InvalidRequestError: empty prompt. ChatTemplateError: bad messages or no template.
+    """
+    chat = is_chat(prompt, chat)
+    return model.tokenizer.encode(prompt_text(model, prompt, chat=chat), add_special_tokens=not chat)
+
+
+def prefill(model: Model, ids: np.ndarray, cache: KVCache) -> np.ndarray:
+    """Run the whole prompt through the model in one forward pass; fill the KV cache.
+
+    Args:
+        ids: prompt ids ``[seq]``; written to cache positions ``cache.length..+seq``.
+
+    Returns:
+        float32 logits ``[vocab]`` for the token after the prompt.
+
+    Raises:
+        InvalidRequestError: no ids.
+        KVCacheFullError (a ContextWindowExceeded): the prompt does not fit in the cache.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    if len(ids) == 0:
+        raise InvalidRequestError("prefill got no tokens; tokenize a non-empty prompt first.")
+    return model.transformer.forward(ids, cache, last_only=True)[0]  # [vocab]
+
+
+def decode_step(model: Model, token_id: int, cache: KVCache) -> np.ndarray:
+    """Feed one token at position ``cache.length``; the cache grows by one.
+
+    Returns:
+        float32 logits ``[vocab]`` for the next token.
+
+    Raises:
+        KVCacheFullError: no room in the cache for one more position.
+    """
+    return model.transformer.forward(np.array([token_id], dtype=np.int64), cache)[0]  # [vocab]
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None = None, seen_ids=()) -> int:
+    """Choose the next token id from logits ``[vocab]`` (see ``sampling.py``; greedy when
+    ``params.temperature == 0``). Pass one ``rng`` for a whole request."""
+    return sampling.sample(logits, params, rng, seen_ids=seen_ids)
+
+
+def detokenize(model: Model, ids, *, skip_special_tokens: bool = True) -> str:
+    """Token ids -> text with the model's tokenizer (special tokens hidden by default)."""
+    return _detokenize(model.tokenizer, ids, skip_special_tokens=skip_special_tokens)
