@@ -163,7 +163,8 @@ def test_quick_run_figures_ceilings_and_targets(quick_report):
         model["matmul_parameters"], model["kv_bytes_per_token"], speed.mean_decode_context(16, 4))
     targets = {t["name"]: t["passed"] for t in r["targets"]}
     assert targets["decode tokens/s vs torch eager"] is None  # torch was not run
-    assert targets["warm load"] in (True, False)
+    # the warm-load target is judged on the measured load time against the 2 s budget, whatever it was
+    assert targets["warm load"] is (mine["load_s"] <= speed.LOAD_MAX_S)
 
 
 def test_quick_run_reports_blas_and_openblas_env(quick_report):

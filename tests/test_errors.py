@@ -643,3 +643,15 @@ def test_threads_must_be_a_whole_number_of_at_least_one(folder, threads):
     with pytest.raises(InvalidRequestError, match=rf"threads must be a whole number >= 1, got {threads!r}; "
                                                   r"pass None to keep the BLAS default \(all cores\)\."):
         minillm.load(folder, progress=False, warmup=False, threads=threads)
+
+
+def test_an_unknown_request_option_is_named(smollm2):
+    """A misspelt keyword (``max_tokens`` for ``max_new_tokens``) is refused with the list of options."""
+    import inspect
+
+    from minillm.runtime.request import Request
+
+    signature = set(inspect.signature(Request.__init__).parameters) - {"self", "model", "prompt", "params", "listener"}
+    assert Request.OPTIONS == signature  # stream's documented options are exactly what Request takes
+    with pytest.raises(InvalidRequestError, match=r"unknown request option\(s\) \['max_tokens'\]; the options are "):
+        minillm.generate(smollm2, "Hi", max_tokens=4)

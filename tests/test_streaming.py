@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -195,12 +194,11 @@ def test_keyboard_interrupt_during_the_forward_pass_is_a_clean_cancel(wtok, at, 
 
 def test_timeout_stops_between_steps(wtok):
     model = scripted_model(wtok, [], filler=ids_of(wtok, "C")[0], delay_s=0.05)
-    t0 = time.perf_counter()
     _, r = run(model, timeout_s=0.12, max_new_tokens=100)
-    elapsed = time.perf_counter() - t0
     assert r.stop_reason is StopReason.TIMEOUT and r.stop_condition == 0.12
+    # Each step sleeps 0.05 s: checked between steps, the deadline lets at most 3 through (a busy
+    # machine makes steps slower, so fewer), never the 100 asked for.
     assert 1 <= len(r.ids) <= 3 and r.text == "C" * len(r.ids)
-    assert elapsed < 0.12 + 0.05 + 0.5  # at most one step past the deadline (+ slack for a busy machine)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "1"])
@@ -320,11 +318,13 @@ def test_real_model_context_of_32_gives_12_tokens(smollm2):
     assert again.ids == r.ids and again.stop_reason is StopReason.CONTEXT_FULL
 
 
-def test_real_model_prompt_longer_than_context_fails_fast(smollm2):
-    t0 = time.perf_counter()
+def test_real_model_prompt_longer_than_context_fails_fast(smollm2, monkeypatch):
+    calls = []
+    forward = smollm2.transformer.forward
+    monkeypatch.setattr(smollm2.transformer, "forward", lambda *a, **k: calls.append(a) or forward(*a, **k))
     with pytest.raises(ContextWindowExceeded, match=r"prompt is 8,200 tokens but the model holds 8,192 positions"):
         minillm.generate(smollm2, " a" * 8200)  # ' a' is one token each
-    assert time.perf_counter() - t0 < 10  # no prefill over 8,192 positions ran
+    assert calls == []  # refused before any forward pass: no prefill over 8,192 positions ran
     with pytest.raises(ContextWindowExceeded, match="prompt is 20 tokens but the KV cache holds 16"):
         minillm.generate(smollm2, REAL_20, max_seq_len=16)
 
@@ -360,18 +360,28 @@ def test_real_model_seeded_sampling_repeats(smollm2):
     (SamplingParams(temperature=0.7, top_k=3, seed=0), 3),
     (SamplingParams(temperature=1.0, top_p=0.5, seed=0), 5),
 ])
-def test_trace_shows_kept_candidates_and_their_probabilities(smollm2, params, most):
+def test_trace_shows_kept_candidates_and_their_probabilities(smollm2, hf_smollm2, params, most):
+    """The prefill's candidates are transformers' processors applied to transformers' logits."""
+    import torch
+    from transformers.generation import logits_process as lp
+
     tracer = Tracer()
     prompt = "The capital of France is"
     minillm.generate(smollm2, prompt, params, max_new_tokens=4, tracer=tracer)
     (prefill,) = [e.data for e in tracer.events if e.phase == "prefill"]
-    ids = minillm.tokenize(smollm2, prompt)
-    logits = minillm.prefill(smollm2, ids, KVCache.for_model(smollm2.config, max_seq_len=len(ids)))
-    probs = minillm.runtime.sampling.softmax(minillm.runtime.sampling.process_logits(logits, params, ids))
+    ids = torch.tensor([minillm.tokenize(smollm2, prompt).tolist()])
+    with torch.no_grad():
+        scores = hf_smollm2(ids).logits[:, -1, :]  # [1, vocab], the reference's own logits
+    chain = [lp.TemperatureLogitsWarper(params.temperature)]
+    chain += [lp.TopKLogitsWarper(params.top_k)] if params.top_k else []
+    chain += [lp.TopPLogitsWarper(params.top_p)] if params.top_p < 1 else []
+    for processor in chain:
+        scores = processor(ids, scores)
+    probs = torch.softmax(scores, dim=-1)[0].numpy()
     kept = np.flatnonzero(probs > 0)
     expected = sorted(kept.tolist(), key=lambda i: -probs[i])[:5]
     assert [p for p, _ in prefill["candidates"]] == [smollm2.tokenizer.piece_for_display(i) for i in expected]
-    np.testing.assert_allclose([q for _, q in prefill["candidates"]], probs[expected], rtol=1e-5)
+    np.testing.assert_allclose([q for _, q in prefill["candidates"]], probs[expected], atol=1e-4)
     steps = [e.data for e in tracer.events if e.phase == "decode"]
     assert len(steps) == 3
     for d in steps:

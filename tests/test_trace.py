@@ -3,6 +3,7 @@ and the diagnosis when each phase is made slow on purpose."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -42,8 +43,8 @@ def test_ttft_and_tpot_agree_with_event_timestamps(traced):
     assert [e.duration for e in decode] == result.metrics.decode_step_s
     prefill_end = by_phase["prefill"].start + by_phase["prefill"].duration
     first_token_latency = prefill_end - by_phase["prepare"].start
-    # TTFT also holds the first sampling (a few ms); it starts a hair before `prepare`.
-    assert first_token_latency <= result.metrics.ttft_s <= first_token_latency + 0.05
+    # TTFT also holds the first sampling; it ends before the first decode step starts.
+    assert first_token_latency <= result.metrics.ttft_s <= decode[0].start - by_phase["prepare"].start
     assert decode[0].start >= prefill_end
     summary = by_phase["summary"].data
     assert summary["tpot_s"] == pytest.approx(sum(e.duration for e in decode) / 5)
@@ -82,6 +83,7 @@ def test_json_lines_parse_back_to_the_same_events(traced):
     assert [e.phase for e in parsed] == [e.phase for e in tracer.events]
     assert [(e.start, e.duration) for e in parsed] == [(e.start, e.duration) for e in tracer.events]
     assert [e.to_json() for e in parsed] == [e.to_json() for e in tracer.events]
+    # PROMPT's ids; test_tokenizer.py checks the tokenizer against transformers' for the same GGUF
     assert parsed[3].data["ids"] == [504, 3575, 282, 4649, 314]
 
 
@@ -192,17 +194,19 @@ def test_a_busy_neighbour_with_two_blas_threads_is_diagnosed_as_threads(smollm2)
     from threadpoolctl import threadpool_limits
 
     minillm.generate(smollm2, PROMPT, GREEDY, max_new_tokens=1)  # not the first request any more
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # One spinner per core, so the neighbours fill the machine whatever its size (on 2 cores, 2).
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
-        time.sleep(0.5)  # let it start spinning
+        time.sleep(0.5)  # let them start spinning
         with threadpool_limits(limits=2, user_api="blas"):
             tracer = Tracer()
             minillm.generate(smollm2, PROMPT, GREEDY, max_new_tokens=3, tracer=tracer)
     finally:
-        spinner.kill()
-        spinner.wait()
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
     summary = tracer.events[-1].data
-    assert summary["others_cpu_share"] >= 0.25  # the spinner alone is one core's worth
+    assert summary["others_cpu_share"] >= 0.25  # the spinners were far more than a quarter of the cores
     phase, symptom, points_to = summary["diagnosis"]["findings"][0]
     assert phase == "threads" and symptom.startswith("slow on a shared machine (other processes used ")
     assert "run with --threads 1" in points_to

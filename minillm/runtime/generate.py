@@ -13,9 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import numpy as np
-
-from minillm.model.kv_cache import KVCache
+from minillm.errors import InvalidRequestError
 from minillm.runtime.loading import Model
 from minillm.runtime.request import GenerationResult, Request
 from minillm.runtime.sampling import SamplingParams
@@ -27,64 +25,31 @@ def stream(
     prompt: Prompt,
     params: SamplingParams | None = None,
     *,
-    max_new_tokens: int = 64,
-    chat: bool | None = None,
     tracer=None,
-    rng: np.random.Generator | None = None,
-    max_seq_len: int | None = None,
-    cache: KVCache | None = None,
-    stop: list[str] | str | None = None,
-    stop_token_ids: list[list[int]] | None = None,
-    include_stop_string: bool = False,
-    timeout_s: float | None = None,
-    cancel=None,
     result: list | None = None,
+    **options,
 ) -> Iterator[str]:
     """Run one request and yield its text as it is produced (UTF-8 safe deltas).
 
     Args:
         params: sampling parameters; default greedy. The repetition penalty counts the prompt's
             ids as seen, as transformers does.
-        max_new_tokens: budget of new tokens (>= 1).
-        chat: apply the chat template to a ``str`` prompt (a message list always is).
         tracer: a listener with ``on_event(phase, start, duration, model, facts)``, e.g.
             ``minillm.Tracer``; start is ``time.perf_counter()`` seconds, duration seconds.
-        max_seq_len: KV-cache size in positions; default prompt + max_new_tokens, at most the
-            model's context. Prompt + new tokens never exceed it: at the edge the request stops
-            with ``CONTEXT_FULL`` (no exception).
-        cache: reuse a cache (reset before and after the request); default a fresh one, freed
-            at the end.
-        stop: stop strings, found in the text across token boundaries; the text is cut before
-            the earliest match (held back while streaming, so it never leaks). They are matched
-            in the shown text, where special tokens are hidden: stop on those with stop_token_ids.
-        stop_token_ids: stop-token sequences, e.g. ``[[2], [28, 29]]``, found in the new ids.
-        include_stop_string: keep the matched stop string (or sequence's text) in the output.
-        timeout_s: wall-clock deadline in seconds from the request start (> 0).
-        cancel: a ``threading.Event`` or a callable returning True; checked between steps.
-            A ``KeyboardInterrupt`` (Ctrl-C) during the model's work cancels the same way.
         result: if a list, the :class:`GenerationResult` is appended to it at the end.
+        **options: the request's options, checked by :class:`~minillm.runtime.request.Request`:
+            ``max_new_tokens`` (64), ``chat``, ``rng``, ``max_seq_len``, ``cache``, ``stop``,
+            ``stop_token_ids``, ``include_stop_string``, ``timeout_s``, ``cancel``.
 
     Raises:
         InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
-            sequence, ``timeout_s <= 0``, a ``cancel`` that is neither Event nor callable.
+            sequence, ``timeout_s <= 0``, a ``cancel`` that is neither Event nor callable, an
+            unknown option.
         ContextWindowExceeded: the prompt leaves no room for a new token (before prefill).
     """
-    request = Request(
-        model,
-        prompt,
-        params,
-        max_new_tokens=max_new_tokens,
-        chat=chat,
-        listener=tracer,
-        rng=rng,
-        max_seq_len=max_seq_len,
-        cache=cache,
-        stop=stop,
-        stop_token_ids=stop_token_ids,
-        include_stop_string=include_stop_string,
-        timeout_s=timeout_s,
-        cancel=cancel,
-    )
+    if unknown := sorted(set(options) - Request.OPTIONS):
+        raise InvalidRequestError(f"unknown request option(s) {unknown}; the options are {sorted(Request.OPTIONS)}.")
+    request = Request(model, prompt, params, listener=tracer, **options)
     try:
         try:
             if request.running():

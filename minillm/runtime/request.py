@@ -143,11 +143,47 @@ class Request:
     stop chain, measures the phases, and tells a listener (``listener.on_event``, e.g. a
     ``Tracer``) what happened. With no listener, it computes nothing for one.
 
+    Args:
+        listener: told each phase (``on_event``); None computes nothing for one.
+        params: sampling parameters; default greedy. The repetition penalty counts the prompt's
+            ids as seen, as transformers does.
+        max_new_tokens: budget of new tokens (>= 1).
+        chat: apply the chat template to a ``str`` prompt (a message list always is).
+        max_seq_len: KV-cache size in positions; default prompt + max_new_tokens, at most the
+            model's context. Prompt + new tokens never exceed it: at the edge the request stops
+            with ``CONTEXT_FULL`` (no exception).
+        cache: reuse a cache (reset before and after the request); default a fresh one, freed
+            at the end.
+        stop: stop strings, found in the text across token boundaries; the text is cut before
+            the earliest match (held back while streaming, so it never leaks). They are matched
+            in the shown text, where special tokens are hidden: stop on those with stop_token_ids.
+        stop_token_ids: stop-token sequences, e.g. ``[[2], [28, 29]]``, found in the new ids.
+        include_stop_string: keep the matched stop string (or sequence's text) in the output.
+        timeout_s: wall-clock deadline in seconds from the request start (> 0).
+        cancel: a ``threading.Event`` or a callable returning True; checked between steps.
+            A ``KeyboardInterrupt`` (Ctrl-C) during the model's work cancels the same way.
+
     Raises (on construction):
         InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
             sequence, ``timeout_s <= 0``, a ``cancel`` that is neither Event nor callable.
         ContextWindowExceeded: the prompt leaves no room for a new token.
     """
+
+    #: the keyword options a request takes (``generate.stream`` passes them through)
+    OPTIONS = frozenset(
+        {
+            "max_new_tokens",
+            "chat",
+            "rng",
+            "max_seq_len",
+            "cache",
+            "stop",
+            "stop_token_ids",
+            "include_stop_string",
+            "timeout_s",
+            "cancel",
+        }
+    )
 
     def __init__(
         self,
@@ -180,7 +216,7 @@ class Request:
             None, stop=stop, stop_token_ids=stop_token_ids, include_stop_string=include_stop_string
         )
         is_cancelled = cancel_check(cancel)
-        self.params = params or SamplingParams(temperature=0.0)
+        self.params = params or sampling.GREEDY
         self.rng = rng if rng is not None else np.random.default_rng(self.params.seed)
         self.t0 = time.perf_counter()
         self.metrics = RequestMetrics()

@@ -84,6 +84,11 @@ class SamplingParams:
         return self.temperature == 0
 
 
+#: What every lifecycle function does when given no ``SamplingParams``: take the argmax (as
+#: transformers' ``generate`` without ``do_sample``). ``SamplingParams()`` itself asks to sample.
+GREEDY = SamplingParams(temperature=0.0)
+
+
 def _as_logits(logits) -> np.ndarray:
     """A float32 ``[vocab]`` copy (processors never modify their input)."""
     out = np.array(logits, dtype=np.float32)  # copy
@@ -134,18 +139,20 @@ def apply_top_k(logits, k: int) -> np.ndarray:
 def apply_top_p(logits, p: float) -> np.ndarray:
     """Nucleus: keep the smallest set of highest-probability ids whose probability reaches ``p``.
 
-    Walk ids from most to least likely; an id is kept if the ones before it sum to < p.
-    The most likely id is always kept (so ``p = 0`` is greedy-like). ``p = 1`` disables.
+    As transformers' ``TopPLogitsWarper``: sort from least to most likely, accumulate the
+    probabilities (float32), and drop every id whose running total is still ``<= 1 - p``; the most
+    likely id is always kept (so ``p = 0`` is greedy-like). ``p = 1`` disables. Tied ids are ordered
+    by id, least likely first (torch's sort does the same for up to 16 ids; above that its order
+    among exact ties is unspecified), so of two tied ids at the cut the later one stays.
     Example: probabilities [0.5, 0.3, 0.15, 0.05], p 0.6 -> ids {0, 1}, renormalised [0.625, 0.375].
     """
     out = _as_logits(logits)
     if p >= 1.0:
         return out
-    order = np.argsort(-out, kind="stable")  # most likely first
-    probs = softmax(out)[order]
-    mass_before = np.cumsum(probs) - probs  # [vocab] probability of the ids ranked above
-    drop = mass_before >= np.float32(p)
-    drop[0] = False  # never remove the best id (transformers' min_tokens_to_keep=1)
+    order = np.argsort(out, kind="stable")  # least likely first
+    cumulative = np.cumsum(softmax(out[order]))  # [vocab] float32, running total from the bottom
+    drop = cumulative <= np.float32(1.0 - p)
+    drop[-1] = False  # never remove the best id (transformers' min_tokens_to_keep=1)
     out[order[drop]] = -np.inf
     return out
 

@@ -90,10 +90,13 @@ def decode_step(model: Model, token_id: int, cache: KVCache) -> np.ndarray:
     return model.transformer.forward(np.array([token_id], dtype=np.int64), cache)[0]  # [vocab]
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None = None, seen_ids=()) -> int:
-    """Choose the next token id from logits ``[vocab]`` (see ``sampling.py``; greedy when
-    ``params.temperature == 0``). Pass one ``rng`` for a whole request."""
-    return sampling.sample(logits, params, rng, seen_ids=seen_ids)
+def sample(
+    logits: np.ndarray, params: SamplingParams | None = None, rng: np.random.Generator | None = None, seen_ids=()
+) -> int:
+    """Choose the next token id from logits ``[vocab]`` (see ``sampling.py``). No ``params``:
+    greedy, the argmax (``sampling.GREEDY``), as everywhere in minillm. Pass one ``rng`` for a
+    whole request."""
+    return sampling.sample(logits, params or sampling.GREEDY, rng, seen_ids=seen_ids)
 
 
 def detokenize(model: Model, ids, *, skip_special_tokens: bool = True) -> str:
