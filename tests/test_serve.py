@@ -120,21 +120,26 @@ CASES = [  # (chat?, prompt, stop)
 def test_greedy_stream_equals_nonstream_equals_in_process(client, model, chat, prompt, stop):
     n = 12
     messages = [{"role": "user", "content": prompt}]
-    expected = minillm.generate(model, messages if chat else prompt, minillm.SamplingParams(temperature=0),
-                                max_new_tokens=n, stop=stop)
+    expected = minillm.generate(
+        model, messages if chat else prompt, minillm.SamplingParams(temperature=0), max_new_tokens=n, stop=stop
+    )
     n_prompt = len(minillm.tokenize(model, messages if chat else prompt))
-    common = dict(model=MODEL, max_tokens=n, temperature=0, stop=stop)
+    common = {"model": MODEL, "max_tokens": n, "temperature": 0, "stop": stop}
     if chat:
         full = client.chat.completions.create(messages=messages, **common)
         text, finish = full.choices[0].message.content, full.choices[0].finish_reason
-        chunks = list(client.chat.completions.create(messages=messages, stream=True,
-                                                     stream_options={"include_usage": True}, **common))
+        chunks = list(
+            client.chat.completions.create(
+                messages=messages, stream=True, stream_options={"include_usage": True}, **common
+            )
+        )
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     else:
         full = client.completions.create(prompt=prompt, **common)
         text, finish = full.choices[0].text, full.choices[0].finish_reason
-        chunks = list(client.completions.create(prompt=prompt, stream=True,
-                                                stream_options={"include_usage": True}, **common))
+        chunks = list(
+            client.completions.create(prompt=prompt, stream=True, stream_options={"include_usage": True}, **common)
+        )
         streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == expected.text
     assert streamed == expected.text
@@ -150,35 +155,50 @@ def test_greedy_stream_equals_nonstream_equals_in_process(client, model, chat, p
 
 def test_a_stop_string_case_really_stops(client, model):
     """At least one of the CASES ends on its stop string (so parity covered the cut)."""
-    hits = [p for chat, p, stop in CASES if stop and minillm.generate(
-        model, [{"role": "user", "content": p}] if chat else p, minillm.SamplingParams(temperature=0),
-        max_new_tokens=12, stop=stop).stop_reason is minillm.StopReason.STOP_STRING]
+    hits = [
+        p
+        for chat, p, stop in CASES
+        if stop
+        and minillm.generate(
+            model,
+            [{"role": "user", "content": p}] if chat else p,
+            minillm.SamplingParams(temperature=0),
+            max_new_tokens=12,
+            stop=stop,
+        ).stop_reason
+        is minillm.StopReason.STOP_STRING
+    ]
     assert hits
 
 
 def test_logprobs_chat_and_legacy_shapes(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=6,
-                                       temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi!"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = r.choices[0].logprobs.content
     assert "".join(e.token for e in content) == r.choices[0].message.content
     for e in content:  # greedy: the chosen token is the most likely candidate
         assert len(e.top_logprobs) == 3
         assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
         assert e.logprob <= 0 and e.bytes == list(e.token.encode())
-    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
-                                  logprobs=2)
+    c = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2
+    )
     lp = c.choices[0].logprobs
     assert "".join(lp.tokens) == c.choices[0].text and len(lp.tokens) == c.usage.completion_tokens == 5
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
-    assert all(len(d) <= 2 and max(d.values()) == pytest.approx(v) for d, v in zip(lp.top_logprobs,
-                                                                                     lp.token_logprobs))
+    assert all(len(d) <= 2 and max(d.values()) == pytest.approx(v) for d, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
 # --- ids, traces, console -------------------------------------------------------------------------
 def test_request_id_header_body_trace_and_console(server):
     url, log = server
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3,
-                                                  "temperature": 0})
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
     rid = r.headers["x-request-id"]
     assert r.json()["id"] == rid and rid.startswith("cmpl-")
     trace = httpx.get(f"{url}/v1/traces/{rid}").json()
@@ -198,17 +218,16 @@ def test_models_endpoint(client):
 def test_disconnect_mid_stream_cancels_and_frees_the_cache(server):
     url, _ = server
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", url + "/v1/completions", json=body) as r:
-            rid = r.headers["x-request-id"]
-            chunks = 0
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    chunks += 1
-                if chunks == 3:
-                    break
-            during = metrics(url)
-        # leaving both blocks closed the connection
+    with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+        rid = r.headers["x-request-id"]
+        chunks = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks += 1
+            if chunks == 3:
+                break
+        during = metrics(url)
+    # leaving the block closed the connection mid-stream
     left = time.monotonic()
     while time.monotonic() - left < 2.0:
         after = metrics(url)
@@ -231,14 +250,23 @@ def test_disconnect_mid_stream_cancels_and_frees_the_cache(server):
 def test_16_concurrent_streams_all_complete_in_arrival_order(server, model):
     url, _ = server
     prompts = [f"Tell me a fact about the number {i}." for i in range(4)]
-    expected = {p: minillm.generate(model, [{"role": "user", "content": p}], minillm.SamplingParams(temperature=0),
-                                    max_new_tokens=6).text for p in prompts}
+    expected = {
+        p: minillm.generate(
+            model, [{"role": "user", "content": p}], minillm.SamplingParams(temperature=0), max_new_tokens=6
+        ).text
+        for p in prompts
+    }
     before = metrics(url)
     texts: dict[int, str] = {}
 
     def one(i: int) -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": prompts[i % 4]}], "max_tokens": 6,
-                "temperature": 0, "stream": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompts[i % 4]}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+        }
         parts = []
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
@@ -376,8 +404,11 @@ def test_full_queue_answers_429_with_retry_after(small_server):
 
 def test_request_timeout_ends_with_length_and_says_timed_out(small_server):
     url, _ = small_server
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000,
-                                                  "temperature": 0}, timeout=60).json()
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0},
+        timeout=60,
+    ).json()
     choice = r["choices"][0]
     assert choice["finish_reason"] == "length" and choice["minillm_stop_reason"] == "timed out"
     assert 0 < r["usage"]["completion_tokens"] < 2000
@@ -399,8 +430,13 @@ def test_schemathesis_finds_no_5xx(small_server):
     cases = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE))
     statuses: list[int] = []
 
-    @hypothesis.settings(max_examples=80, deadline=None, database=None, derandomize=True,
-                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.settings(
+        max_examples=80,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
     @hypothesis.given(case=cases, named=st.booleans())
     def check(case, named):
         if named and isinstance(case.body, dict) and "model" in case.body:
@@ -411,3 +447,76 @@ def test_schemathesis_finds_no_5xx(small_server):
 
     check()
     assert len(statuses) >= 40 and any(s == 200 for s in statuses) and any(400 <= s < 500 for s in statuses)
+
+
+# --- the bench against this server ----------------------------------------------------------------
+def histogram_median(before: dict, after: dict, name: str) -> float:
+    """Median of the observations made between two scrapes, read off the histogram's buckets.
+
+    Method (Prometheus's histogram_quantile): subtract the cumulative bucket counts of the two
+    scrapes, find the first bucket whose count reaches half the total, and interpolate linearly
+    between its lower and upper bound. The buckets are 15 % apart (metrics.LATENCY_BUCKETS), so the
+    estimate is off by at most half a bucket, ~7 %, when the observations are close together.
+    """
+    buckets = sorted(
+        (float(k.split("le=")[1].rstrip("}")), after[k] - before.get(k, 0.0))
+        for k in after
+        if k.startswith(name + "_bucket{") and "+Inf" not in k
+    )
+    total = after[name + "_count"] - before.get(name + "_count", 0.0)
+    lower, below = 0.0, 0.0
+    for upper, cumulative in buckets:
+        if cumulative >= total / 2:
+            return lower + (upper - lower) * (total / 2 - below) / max(cumulative - below, 1e-9)
+        lower, below = upper, cumulative
+    raise AssertionError("median beyond the last bucket")
+
+
+def test_bench_ttft_matches_the_server_histogram(server, tmp_path):
+    url, _ = server
+    out = tmp_path / "bench.json"
+    before = metrics(url)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minillm",
+            "bench",
+            "--url",
+            url,
+            "--model",
+            MODEL,
+            "--concurrency",
+            "1",
+            "--requests",
+            "8",
+            "--prompt-tokens",
+            "128",
+            "--max-tokens",
+            "4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "COLUMNS": "160"},
+    )
+    after = metrics(url)
+    assert run.returncode == 0, run.stderr
+    assert "TTFT" in run.stdout and str(out) in run.stdout
+    results = json.loads(out.read_text())
+    level = results["levels"][0]
+    assert level["concurrency"] == 1 and level["ok"] == 8 and level["errors"] == 0
+    assert level["usage_from_server"] and level["completion_tokens_mean"] == 4
+    assert 0.85 * 128 <= level["prompt_tokens_mean"] <= 1.15 * 128  # calibrated on the server's own tokenizer
+    t = level["ttft_s"]
+    assert 0 < t["p50"] <= t["p90"] <= t["p99"] and level["requests_per_s"] > 0 and level["output_tokens_per_s"] > 0
+    # The histogram also holds the bench's 3 calibration probes (max_tokens 1, prompts of about the
+    # same length), so their TTFTs sit among the others and barely move the median.
+    server_median = histogram_median(before, after, "minillm_time_to_first_token_seconds")
+    assert (
+        after["minillm_time_to_first_token_seconds_count"] - before["minillm_time_to_first_token_seconds_count"] == 11
+    )
+    assert abs(t["p50"] - server_median) <= 0.2 * server_median, (t["p50"], server_median)

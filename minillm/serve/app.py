@@ -49,15 +49,23 @@ RETRY_AFTER_S = 1  # what a 429 tells the client to wait, seconds
 class APIError(Exception):
     """An error with its HTTP status, answered in OpenAI's shape ``{"error": {...}}``."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        body = p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                                 code=self.code))
+        body = p.ErrorResponse(
+            error=p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
         return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
@@ -69,8 +77,12 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
         worker.start()  # loads in the background: the socket listens now, /health says 503 until ready
         yield
 
-    app = FastAPI(title="minillm", version=minillm.__version__, lifespan=lifespan,
-                  description="An OpenAI-compatible server for minillm (one worker thread, requests in arrival order).")
+    app = FastAPI(
+        title="minillm",
+        version=minillm.__version__,
+        lifespan=lifespan,
+        description="An OpenAI-compatible server for minillm (one worker thread, requests in arrival order).",
+    )
 
     # --- errors: always OpenAI's shape, never FastAPI's 422 ------------------------------------
     @app.exception_handler(APIError)
@@ -112,8 +124,13 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
     async def trace(request_id: str):
         record = worker.trace(request_id)
         if record is None:
-            raise APIError(404, f"no trace for request {request_id!r}: unknown, still running, or older than the "
-                                f"last {worker.keep_traces} requests", "not_found_error", "request_id")
+            raise APIError(
+                404,
+                f"no trace for request {request_id!r}: unknown, still running, or older than the "
+                f"last {worker.keep_traces} requests",
+                "not_found_error",
+                "request_id",
+            )
         return record
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletion, responses=_ERRORS)
@@ -127,8 +144,7 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
 
     @app.post("/v1/completions", response_model=p.Completion, responses=_ERRORS)
     async def completions(body: p.CompletionRequest, request: Request):
-        return await _handle(request, body, body.prompt, False, body.max_tokens, body.logprobs,
-                             worker.next_id("cmpl"))
+        return await _handle(request, body, body.prompt, False, body.max_tokens, body.logprobs, worker.next_id("cmpl"))
 
     async def _handle(request, body, prompt, chat, max_tokens, top_logprobs, request_id):
         job = _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs, request_id)
@@ -136,8 +152,13 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
             worker.submit(job)
         except QueueFullError as exc:
             worker.metrics.rejected.inc()
-            raise APIError(429, f"server busy: {exc}; retry after {RETRY_AFTER_S} s", "rate_limit_error",
-                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise APIError(
+                429,
+                f"server busy: {exc}; retry after {RETRY_AFTER_S} s",
+                "rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
         # The client leaving (at any time) sets the job's cancel flag; the worker checks it per step.
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         headers = {"x-request-id": request_id}
@@ -151,8 +172,9 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
             watcher.cancel()
             raise _runtime_error(first[1])
         if body.stream:
-            return StreamingResponse(_sse(job, first, body, served_model, chat, watcher), headers=headers,
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _sse(job, first, body, served_model, chat, watcher), headers=headers, media_type="text/event-stream"
+            )
         try:
             item = first
             while item[0] == "delta":
@@ -177,22 +199,45 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         APIError: 404 unknown model, 503 not ready, 400 max_tokens over the context or bad sampling values.
     """
     if body.model != served_model:
-        raise APIError(404, f"model {body.model!r} not found; this server serves {served_model!r} (GET /v1/models)",
-                       "not_found_error", "model", "model_not_found")
+        raise APIError(
+            404,
+            f"model {body.model!r} not found; this server serves {served_model!r} (GET /v1/models)",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
     if worker.status != "ready":
-        raise APIError(503, f"the model is {worker.status}; wait for GET /health to answer 200",
-                       "service_unavailable")
+        raise APIError(503, f"the model is {worker.status}; wait for GET /health to answer 200", "service_unavailable")
     if max_tokens is not None and max_tokens > worker.context:
-        raise APIError(400, f"max_tokens is {max_tokens:,} but the context holds {worker.context:,} positions "
-                            f"(prompt included); ask for at most {worker.context - 1:,}", param="max_tokens")
+        raise APIError(
+            400,
+            f"max_tokens is {max_tokens:,} but the context holds {worker.context:,} positions "
+            f"(prompt included); ask for at most {worker.context - 1:,}",
+            param="max_tokens",
+        )
     try:
-        params = minillm.SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                        min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed)
+        params = minillm.SamplingParams(
+            temperature=body.temperature,
+            top_k=body.top_k,
+            top_p=body.top_p,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            seed=body.seed,
+        )
     except minillm.MiniLLMError as exc:
         raise _runtime_error(exc) from None
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
-    return Job(request_id, prompt, chat, params, max_tokens, stop or None, top_logprobs,
-               asyncio.get_running_loop(), asyncio.Queue())
+    return Job(
+        request_id,
+        prompt,
+        chat,
+        params,
+        max_tokens,
+        stop or None,
+        top_logprobs,
+        asyncio.get_running_loop(),
+        asyncio.Queue(),
+    )
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -219,15 +264,22 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if err.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})")
     if param == "n":
-        return APIError(400, f"n={err.get('input')!r} is not supported: minillm runs one sequence per request; "
-                             "send n=1 (or several requests)", param="n")
+        return APIError(
+            400,
+            f"n={err.get('input')!r} is not supported: minillm runs one sequence per request; "
+            "send n=1 (or several requests)",
+            param="n",
+        )
     got = f", got {err['input']!r}" if "input" in err and err["type"] != "missing" else ""
     return APIError(400, f"{param or 'body'}: {err['msg']}{got}", param=param, code=err.get("type"))
 
 
 def _usage(o: Outcome) -> p.UsageInfo:
-    return p.UsageInfo(prompt_tokens=o.prompt_tokens, completion_tokens=o.completion_tokens,
-                       total_tokens=o.prompt_tokens + o.completion_tokens)
+    return p.UsageInfo(
+        prompt_tokens=o.prompt_tokens,
+        completion_tokens=o.completion_tokens,
+        total_tokens=o.prompt_tokens + o.completion_tokens,
+    )
 
 
 def _chat_logprobs(o: Outcome) -> p.ChoiceLogprobs | None:
@@ -251,11 +303,16 @@ def _completion_logprobs(o: Outcome) -> p.CompletionLogprobs | None:
 def _final_response(o: Outcome, request_id: str, served_model: str, chat: bool):
     finish, reason = FINISH_REASON[o.stop_reason], o.stop_reason.value
     if chat:
-        choice = p.ChatCompletionChoice(message=p.ChatMessageOut(content=o.text), logprobs=_chat_logprobs(o),
-                                        finish_reason=finish, minillm_stop_reason=reason)
+        choice = p.ChatCompletionChoice(
+            message=p.ChatMessageOut(content=o.text),
+            logprobs=_chat_logprobs(o),
+            finish_reason=finish,
+            minillm_stop_reason=reason,
+        )
         return p.ChatCompletion(id=request_id, model=served_model, choices=[choice], usage=_usage(o))
-    choice = p.CompletionChoice(text=o.text, logprobs=_completion_logprobs(o), finish_reason=finish,
-                                minillm_stop_reason=reason)
+    choice = p.CompletionChoice(
+        text=o.text, logprobs=_completion_logprobs(o), finish_reason=finish, minillm_stop_reason=reason
+    )
     return p.Completion(id=request_id, model=served_model, choices=[choice], usage=_usage(o))
 
 
@@ -278,12 +335,19 @@ async def _sse(job: Job, first, body, served_model: str, chat: bool, watcher: as
         finish = FINISH_REASON[outcome.stop_reason] if outcome else None
         reason = outcome.stop_reason.value if outcome else None
         if chat:
-            choice = p.ChatCompletionChunkChoice(delta=p.DeltaMessage(role=role, content=delta),
-                                                 logprobs=_chat_logprobs(outcome) if outcome else None,
-                                                 finish_reason=finish, minillm_stop_reason=reason)
+            choice = p.ChatCompletionChunkChoice(
+                delta=p.DeltaMessage(role=role, content=delta),
+                logprobs=_chat_logprobs(outcome) if outcome else None,
+                finish_reason=finish,
+                minillm_stop_reason=reason,
+            )
             return p.ChatCompletionChunk(id=rid, model=served_model, choices=[choice], **usage_none)
-        choice = p.CompletionChoice(text=delta or "", logprobs=_completion_logprobs(outcome) if outcome else None,
-                                    finish_reason=finish, minillm_stop_reason=reason)
+        choice = p.CompletionChoice(
+            text=delta or "",
+            logprobs=_completion_logprobs(outcome) if outcome else None,
+            finish_reason=finish,
+            minillm_stop_reason=reason,
+        )
         return p.Completion(id=rid, model=served_model, choices=[choice], **usage_none)
 
     try:

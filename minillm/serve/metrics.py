@@ -31,33 +31,44 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.instance = secrets.token_hex(4)  # makes request ids unique across server restarts
         r = self.registry
-        self.ttft = Histogram("minillm_time_to_first_token_seconds",
-                              "Arrival to first token, queue wait included (s)", buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("minillm_time_per_output_token_seconds",
-                              "One decode step: time between two output tokens (s)", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.e2e = Histogram("minillm_e2e_request_latency_seconds", "Arrival to last token (s)",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("minillm_request_queue_time_seconds", "Arrival to the worker picking it up (s)",
-                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "minillm_time_to_first_token_seconds",
+            "Arrival to first token, queue wait included (s)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "minillm_time_per_output_token_seconds",
+            "One decode step: time between two output tokens (s)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "minillm_e2e_request_latency_seconds", "Arrival to last token (s)", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "minillm_request_queue_time_seconds",
+            "Arrival to the worker picking it up (s)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("minillm_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("minillm_generation_tokens", "Output tokens generated", registry=r)
-        self.finished = Counter("minillm_request_finished", "Finished requests by stop reason", ["reason"],
-                                registry=r)
+        self.finished = Counter("minillm_request_finished", "Finished requests by stop reason", ["reason"], registry=r)
         self.rejected = Counter("minillm_request_rejected", "Requests refused with 429 (queue full)", registry=r)
         self.running = Gauge("minillm_num_requests_running", "Requests the worker is running (0 or 1)", registry=r)
         self.waiting = Gauge("minillm_num_requests_waiting", "Requests waiting in the queue", registry=r)
-        self.kv_reserved = Gauge("minillm_kv_cache_bytes_reserved", "KV-cache bytes allocated by running requests",
-                                 registry=r)
-        self.kv_in_use = Gauge("minillm_kv_cache_bytes_in_use", "KV-cache bytes holding filled positions",
-                               registry=r)
+        self.kv_reserved = Gauge(
+            "minillm_kv_cache_bytes_reserved", "KV-cache bytes allocated by running requests", registry=r
+        )
+        self.kv_in_use = Gauge("minillm_kv_cache_bytes_in_use", "KV-cache bytes holding filled positions", registry=r)
 
     def bind(self, worker) -> None:
         """Read the gauges from the worker at scrape time (no bookkeeping in the request loop)."""
         self.running.set_function(lambda: worker.running)
         self.waiting.set_function(lambda: worker.queue.qsize())
-        self.kv_reserved.set_function(lambda: (c.nbytes if (c := worker.cache) is not None else 0))
-        self.kv_in_use.set_function(lambda: (c.used_bytes if (c := worker.cache) is not None else 0))
+        self.kv_reserved.set_function(lambda: c.nbytes if (c := worker.cache) is not None else 0)
+        self.kv_in_use.set_function(lambda: c.used_bytes if (c := worker.cache) is not None else 0)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this server's registry."""

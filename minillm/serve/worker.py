@@ -91,10 +91,21 @@ class Worker:
         keep_traces: how many finished requests' traces ``trace()`` remembers (oldest dropped).
     """
 
-    def __init__(self, model_name: str, *, metrics: ServerMetrics, max_queue: int = 64,
-                 request_timeout_s: float | None = None, max_seq_len: int | None = None,
-                 threads: int | None = None, warmup: bool = True, verbosity: str = "summary",
-                 console=None, startup_delay_s: float = 0.0, keep_traces: int = 100):
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        metrics: ServerMetrics,
+        max_queue: int = 64,
+        request_timeout_s: float | None = None,
+        max_seq_len: int | None = None,
+        threads: int | None = None,
+        warmup: bool = True,
+        verbosity: str = "summary",
+        console=None,
+        startup_delay_s: float = 0.0,
+        keep_traces: int = 100,
+    ):
         self.model_name = model_name
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
@@ -127,9 +138,10 @@ class Worker:
             time.sleep(self.startup_delay_s)  # on purpose (--startup-delay); /health says so
         try:
             tracer = self._tracer()
-            self.model = minillm.load(self.model_name, tracer=tracer, warmup=self.warmup, threads=self.threads,
-                                      progress=False)
-        except Exception as exc:  # reported by /health (503) rather than killing the server
+            self.model = minillm.load(
+                self.model_name, tracer=tracer, warmup=self.warmup, threads=self.threads, progress=False
+            )
+        except Exception as exc:  # noqa: BLE001 - reported by /health (503) rather than killing the server
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
             return
         self.status = "ready"
@@ -174,15 +186,25 @@ class Worker:
             timeout = None
             if self.request_timeout_s is not None:  # the deadline counts from arrival: queue wait included
                 timeout = max(self.request_timeout_s - wait, 1e-6)
-            for delta in minillm.stream(self.model, job.prompt, job.params, max_new_tokens=max_new,
-                                        chat=job.chat, tracer=tracer, cache=self.cache, stop=job.stop,
-                                        timeout_s=timeout, cancel=job.cancel, result=results):
+            for delta in minillm.stream(
+                self.model,
+                job.prompt,
+                job.params,
+                max_new_tokens=max_new,
+                chat=job.chat,
+                tracer=tracer,
+                cache=self.cache,
+                stop=job.stop,
+                timeout_s=timeout,
+                cancel=job.cancel,
+                result=results,
+            ):
                 job.send("delta", delta)
         except minillm.MiniLLMError as exc:  # a request the runtime refuses: the client gets a 400
             self._remember(job, None, wait, tracer.events, note=f"{type(exc).__name__}: {exc}")
             job.send("error", exc)
             return
-        except Exception as exc:  # a bug: still answer the client, keep the worker alive
+        except Exception as exc:  # noqa: BLE001 - a bug: still answer the client, keep the worker alive
             self._remember(job, None, wait, tracer.events, note=f"internal error {type(exc).__name__}: {exc}")
             job.send("error", exc)
             return
@@ -204,13 +226,20 @@ class Worker:
         self.metrics.finished.labels(reason=result.stop_reason.value).inc()
         logprobs = self._logprobs(result, tracer.events, job.top_logprobs) if job.top_logprobs is not None else None
         self._remember(job, result.stop_reason, wait, tracer.events)
-        job.send("done", Outcome(result.text, len(result.prompt_ids), len(result.ids), result.stop_reason, wait,
-                                 ttft, logprobs))
+        job.send(
+            "done",
+            Outcome(result.text, len(result.prompt_ids), len(result.ids), result.stop_reason, wait, ttft, logprobs),
+        )
 
     def _remember(self, job: Job, reason, wait: float, events: list, note: str | None = None) -> None:
         """Keep the request's trace for GET /v1/traces/{id} (the newest ``keep_traces`` only)."""
-        record = {"id": job.request_id, "stop_reason": reason.value if reason is not None else "error",
-                  "queue_wait_s": wait, "note": note, "events": [_event_dict(e) for e in events]}
+        record = {
+            "id": job.request_id,
+            "stop_reason": reason.value if reason is not None else "error",
+            "queue_wait_s": wait,
+            "note": note,
+            "events": [_event_dict(e) for e in events],
+        }
         with self._lock:
             self.traces[job.request_id] = record
             while len(self.traces) > self.keep_traces:
@@ -239,13 +268,19 @@ class Worker:
         for n, token_id in enumerate(ids):
             if n == 0:
                 cands = prefill.data["candidates"] if prefill else []
-                prob = dict((p, q) for p, q in cands).get(tok.piece_for_display(token_id))
+                prob = dict(cands).get(tok.piece_for_display(token_id))
             else:
                 data = decodes[n - 1].data
                 cands, prob = data["candidates"], data["prob"]
             text = minillm.detokenize(self.model, [token_id], skip_special_tokens=False)
-            entries.append({"token": text, "logprob": _log(prob), "bytes": list(text.encode("utf-8")),
-                            "top_logprobs": [_candidate(piece, q) for piece, q in cands[:top]]})
+            entries.append(
+                {
+                    "token": text,
+                    "logprob": _log(prob),
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [_candidate(piece, q) for piece, q in cands[:top]],
+                }
+            )
         return entries
 
     def next_id(self, prefix: str) -> str:
