@@ -206,6 +206,9 @@ def test_request_id_header_body_trace_and_console(server):
     assert phases[:3] == ["prepare", "tokenize", "prefill"] and phases[-2:] == ["stop", "summary"]
     assert trace["stop_reason"] == "max new tokens" and phases.count("decode") == 2
     assert f"request {rid}" in log.read_text()  # the console trace (summary verbosity) names the request
+    one = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 1})
+    summary = httpx.get(f"{url}/v1/traces/{one.headers['x-request-id']}").json()["events"][-1]["data"]
+    assert summary["tpot_s"] is None and summary["new_tokens"] == 1  # no decode step: NaN in Python, null in JSON
     missing = httpx.get(f"{url}/v1/traces/cmpl-nope")
     assert missing.status_code == 404 and "cmpl-nope" in missing.json()["error"]["message"]
 

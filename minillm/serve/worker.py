@@ -298,7 +298,18 @@ def _candidate(piece: str, prob: float) -> dict:
 
 
 def _event_dict(event) -> dict:
-    """A TraceEvent as plain JSON data (its own to_json handles NumPy values and enums)."""
+    """A TraceEvent as plain JSON data; NaN (e.g. TPOT of a one-token request) becomes None,
+    because strict JSON, which HTTP responses use, has no NaN."""
     import json
 
-    return json.loads(event.to_json())
+    return _finite(json.loads(event.to_json()))
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
