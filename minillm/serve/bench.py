@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -307,7 +308,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return 2
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
-        with Progress(*columns, console=console, transient=True) as progress:
+        with Progress(*columns, console=console, transient=True, disable=not sys.stdout.isatty()) as progress:
             results = asyncio.run(
                 bench(
                     args.url,
