@@ -223,13 +223,11 @@ def test_disconnect_mid_stream_cancels_and_frees_the_cache(server):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
         rid = r.headers["x-request-id"]
+        lines = r.iter_lines()  # held in a name: leaving a `for` over it would close the connection at once
         chunks = 0
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                chunks += 1
-            if chunks == 3:
-                break
-        during = metrics(url)
+        while chunks < 3:
+            chunks += next(lines).startswith("data: ")
+        during = metrics(url)  # still connected
     # leaving the block closed the connection mid-stream
     left = time.monotonic()
     while time.monotonic() - left < 2.0:
