@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from minillm.errors import MiniLLMError
+from minillm.serve import add_commands as add_serve_commands
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="an optional system message")
     models = sub.add_parser("models", help="list the models in weights_manifest.toml")
     models.add_argument("--debug", action="store_true")
+    add_serve_commands(sub)
     return parser
 
 
@@ -271,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "models":
             return _cmd_models(console)
+        if hasattr(args, "run_command"):  # serve, bench (minillm/serve)
+            return args.run_command(args)
         return _cmd_request(args, console)
     except MiniLLMError as exc:
         if args.debug:

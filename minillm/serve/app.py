@@ -1,0 +1,375 @@
+"""The OpenAI-compatible HTTP server: a thin shell that turns requests into ``minillm.stream`` calls.
+
+    POST /v1/chat/completions   messages -> chat template -> stream (SSE when "stream": true)
+    POST /v1/completions        prompt -> stream, no template
+    GET  /v1/models             the one model this server holds
+    GET  /v1/traces/{id}        a finished request's trace events (the newest --keep-traces)
+    GET  /health                503 while loading and warming up, 200 when ready
+    GET  /metrics               Prometheus text: TTFT, TPOT, e2e, queue wait, tokens, KV bytes
+
+The model runs on one worker thread (``worker.py``); this module only moves bytes on the event loop.
+
+How a request ends, as OpenAI's ``finish_reason`` (minillm's own reason is in the choice's
+``minillm_stop_reason``):
+
+    eos, stop string, stop-token sequence     -> "stop"
+    max new tokens, context full              -> "length"
+    timed out (--request-timeout)             -> "length"  (partial text; minillm_stop_reason "timed out")
+    cancelled (the client went away)          -> "abort"   (as vLLM; nobody is left to read it)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import minillm
+
+from . import protocol as p
+from .worker import Job, Outcome, QueueFullError, Worker
+
+FINISH_REASON = {
+    minillm.StopReason.EOS: "stop",
+    minillm.StopReason.STOP_STRING: "stop",
+    minillm.StopReason.STOP_SEQUENCE: "stop",
+    minillm.StopReason.MAX_NEW_TOKENS: "length",
+    minillm.StopReason.CONTEXT_FULL: "length",
+    minillm.StopReason.TIMEOUT: "length",
+    minillm.StopReason.CANCELLED: "abort",
+}
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait, seconds
+
+
+class APIError(Exception):
+    """An error with its HTTP status, answered in OpenAI's shape ``{"error": {...}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = p.ErrorResponse(
+            error=p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+def create_app(worker: Worker, served_model: str) -> FastAPI:
+    """The FastAPI app for one worker. ``served_model`` is the name clients pass as ``model``."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()  # loads in the background: the socket listens now, /health says 503 until ready
+        yield
+
+    app = FastAPI(
+        title="minillm",
+        version=minillm.__version__,
+        lifespan=lifespan,
+        description="An OpenAI-compatible server for minillm (one worker thread, requests in arrival order).",
+    )
+
+    # --- errors: always OpenAI's shape, never FastAPI's 422 ------------------------------------
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_).response()
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception):  # a bug in minillm: still OpenAI's shape
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error").response()
+
+    # --- endpoints ---------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        body = {"status": worker.status, "model": served_model}
+        if worker.status == "loading" and worker.startup_delay_s > 0:
+            body["note"] = f"startup delayed on purpose by --startup-delay {worker.startup_delay_s:g} s"
+        if worker.error:
+            body["error"] = worker.error
+        return JSONResponse(body, status_code=200 if worker.status == "ready" else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(worker.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=p.ModelList)
+    async def models():
+        return p.ModelList(data=[p.ModelCard(id=served_model)])
+
+    @app.get("/v1/traces/{request_id}", responses={404: {"model": p.ErrorResponse}})
+    async def trace(request_id: str):
+        record = worker.trace(request_id)
+        if record is None:
+            raise APIError(
+                404,
+                f"no trace for request {request_id!r}: unknown, still running, or older than the "
+                f"last {worker.keep_traces} requests",
+                "not_found_error",
+                "request_id",
+            )
+        return record
+
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletion, responses=_ERRORS)
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await _handle(request, body, messages, True, max_tokens, top, worker.next_id("chatcmpl"))
+
+    @app.post("/v1/completions", response_model=p.Completion, responses=_ERRORS)
+    async def completions(body: p.CompletionRequest, request: Request):
+        return await _handle(request, body, body.prompt, False, body.max_tokens, body.logprobs, worker.next_id("cmpl"))
+
+    async def _handle(request, body, prompt, chat, max_tokens, top_logprobs, request_id):
+        job = _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs, request_id)
+        try:
+            worker.submit(job)
+        except QueueFullError as exc:
+            worker.metrics.rejected.inc()
+            raise APIError(
+                429,
+                f"server busy: {exc}; retry after {RETRY_AFTER_S} s",
+                "rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        # The client leaving (at any time) sets the job's cancel flag; the worker checks it per step.
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
+        headers = {"x-request-id": request_id}
+        try:
+            first = await job.channel.get()  # a delta, or the end, or an error before any text
+        except BaseException:
+            job.cancel.set()
+            watcher.cancel()
+            raise
+        if first[0] == "error":
+            watcher.cancel()
+            raise _runtime_error(first[1])
+        if body.stream:
+            return StreamingResponse(
+                _sse(job, first, body, served_model, chat, watcher), headers=headers, media_type="text/event-stream"
+            )
+        try:
+            item = first
+            while item[0] == "delta":
+                item = await job.channel.get()
+        finally:
+            watcher.cancel()
+        if item[0] == "error":
+            raise _runtime_error(item[1])
+        response = _final_response(item[1], request_id, served_model, chat)
+        return JSONResponse(response.model_dump(), headers=headers)
+
+    return app
+
+
+_ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 404, 429, 503)}
+
+
+def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs, request_id) -> Job:
+    """Check what only the server knows (model, readiness, context), then build the worker's job.
+
+    Raises:
+        APIError: 404 unknown model, 503 not ready, 400 max_tokens over the context or bad sampling values.
+    """
+    if body.model != served_model:
+        raise APIError(
+            404,
+            f"model {body.model!r} not found; this server serves {served_model!r} (GET /v1/models)",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
+    if worker.status != "ready":
+        raise APIError(503, f"the model is {worker.status}; wait for GET /health to answer 200", "service_unavailable")
+    if max_tokens is not None and max_tokens > worker.context:
+        raise APIError(
+            400,
+            f"max_tokens is {max_tokens:,} but the context holds {worker.context:,} positions "
+            f"(prompt included); ask for at most {worker.context - 1:,}",
+            param="max_tokens",
+        )
+    try:
+        params = minillm.SamplingParams(
+            temperature=body.temperature,
+            top_k=body.top_k,
+            top_p=body.top_p,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            seed=body.seed,
+        )
+    except minillm.MiniLLMError as exc:
+        raise _runtime_error(exc) from None
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    return Job(
+        request_id,
+        prompt,
+        chat,
+        params,
+        max_tokens,
+        stop or None,
+        top_logprobs,
+        asyncio.get_running_loop(),
+        asyncio.Queue(),
+    )
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Set the job's cancel flag when the client disconnects (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel.set()
+            return
+
+
+def _runtime_error(exc: Exception) -> APIError:
+    """A MiniLLMError the runtime raised (its message names the fix) -> 400; anything else -> 500."""
+    if isinstance(exc, minillm.MiniLLMError):
+        return APIError(400, f"{type(exc).__name__}: {exc}", code=type(exc).__name__)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 -> a 400 naming the first bad field, its value and the allowed range."""
+    err = exc.errors()[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})")
+    if param == "n":
+        return APIError(
+            400,
+            f"n={err.get('input')!r} is not supported: minillm runs one sequence per request; "
+            "send n=1 (or several requests)",
+            param="n",
+        )
+    got = f", got {err['input']!r}" if "input" in err and err["type"] != "missing" else ""
+    return APIError(400, f"{param or 'body'}: {err['msg']}{got}", param=param, code=err.get("type"))
+
+
+def _usage(o: Outcome) -> p.UsageInfo:
+    return p.UsageInfo(
+        prompt_tokens=o.prompt_tokens,
+        completion_tokens=o.completion_tokens,
+        total_tokens=o.prompt_tokens + o.completion_tokens,
+    )
+
+
+def _chat_logprobs(o: Outcome) -> p.ChoiceLogprobs | None:
+    return None if o.logprobs is None else p.ChoiceLogprobs(content=o.logprobs)
+
+
+def _completion_logprobs(o: Outcome) -> p.CompletionLogprobs | None:
+    """The legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset."""
+    if o.logprobs is None:
+        return None
+    out, offset = p.CompletionLogprobs(), 0
+    for e in o.logprobs:
+        out.tokens.append(e["token"])
+        out.token_logprobs.append(e["logprob"])
+        out.top_logprobs.append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
+        out.text_offset.append(offset)
+        offset += len(e["token"])
+    return out
+
+
+def _final_response(o: Outcome, request_id: str, served_model: str, chat: bool):
+    finish, reason = FINISH_REASON[o.stop_reason], o.stop_reason.value
+    if chat:
+        choice = p.ChatCompletionChoice(
+            message=p.ChatMessageOut(content=o.text),
+            logprobs=_chat_logprobs(o),
+            finish_reason=finish,
+            minillm_stop_reason=reason,
+        )
+        return p.ChatCompletion(id=request_id, model=served_model, choices=[choice], usage=_usage(o))
+    choice = p.CompletionChoice(
+        text=o.text, logprobs=_completion_logprobs(o), finish_reason=finish, minillm_stop_reason=reason
+    )
+    return p.Completion(id=request_id, model=served_model, choices=[choice], usage=_usage(o))
+
+
+def _sse_line(obj) -> str:
+    data = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+async def _sse(job: Job, first, body, served_model: str, chat: bool, watcher: asyncio.Task):
+    """Server-sent events in OpenAI's chunk shapes, ending with ``data: [DONE]``.
+
+    Logprobs (if asked) come in the chunk that carries finish_reason: they are read from the
+    request's trace, which is complete only at the end. Usage comes in a last chunk with no
+    choices when ``stream_options.include_usage`` is true.
+    """
+    rid, include_usage = job.request_id, bool(body.stream_options and body.stream_options.include_usage)
+    usage_none = {"usage": None} if include_usage else {}
+
+    def chunk(delta: str | None = None, role: str | None = None, outcome: Outcome | None = None):
+        finish = FINISH_REASON[outcome.stop_reason] if outcome else None
+        reason = outcome.stop_reason.value if outcome else None
+        if chat:
+            choice = p.ChatCompletionChunkChoice(
+                delta=p.DeltaMessage(role=role, content=delta),
+                logprobs=_chat_logprobs(outcome) if outcome else None,
+                finish_reason=finish,
+                minillm_stop_reason=reason,
+            )
+            return p.ChatCompletionChunk(id=rid, model=served_model, choices=[choice], **usage_none)
+        choice = p.CompletionChoice(
+            text=delta or "",
+            logprobs=_completion_logprobs(outcome) if outcome else None,
+            finish_reason=finish,
+            minillm_stop_reason=reason,
+        )
+        return p.Completion(id=rid, model=served_model, choices=[choice], **usage_none)
+
+    try:
+        if chat:
+            yield _sse_line(chunk("", role="assistant"))
+        item = first
+        while True:
+            kind, value = item
+            if kind == "delta":
+                yield _sse_line(chunk(value))
+            elif kind == "error":  # after text was sent the status is already 200: say it in the stream
+                err = _runtime_error(value)
+                yield _sse_line({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
+                break
+            else:
+                yield _sse_line(chunk(outcome=value))
+                if include_usage:
+                    cls = p.ChatCompletionChunk if chat else p.Completion
+                    yield _sse_line(cls(id=rid, model=served_model, choices=[], usage=_usage(value)))
+                break
+            item = await job.channel.get()
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel.set()  # the client went away mid-stream (or we are done: then it changes nothing)
+        watcher.cancel()

@@ -1,0 +1,75 @@
+"""The server's Prometheus metrics, in a registry of its own (never the process-global one).
+
+Names follow vLLM's where they mean the same thing (``time_to_first_token_seconds`` ...), with the
+prefix ``minillm_``. Latencies are seconds; tokens are counts; KV memory is bytes.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+def _geometric(lo: float, hi: float, ratio: float) -> list[float]:
+    """Bucket bounds lo, lo*ratio, ... up to hi (seconds). Fine buckets keep a median read off
+    the histogram within a few percent (the bench test compares it with the client's)."""
+    bounds, b = [], lo
+    while b < hi * ratio:
+        bounds.append(round(b, 6))
+        b *= ratio
+    return bounds
+
+
+LATENCY_BUCKETS = _geometric(0.001, 120.0, 1.15)  # 1 ms .. 2 min, 15 % apart (~85 buckets)
+
+
+class ServerMetrics:
+    """Histograms, counters and gauges for one server; ``render()`` is the /metrics body."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.instance = secrets.token_hex(4)  # makes request ids unique across server restarts
+        r = self.registry
+        self.ttft = Histogram(
+            "minillm_time_to_first_token_seconds",
+            "Arrival to first token, queue wait included (s)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "minillm_time_per_output_token_seconds",
+            "One decode step: time between two output tokens (s)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "minillm_e2e_request_latency_seconds", "Arrival to last token (s)", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "minillm_request_queue_time_seconds",
+            "Arrival to the worker picking it up (s)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("minillm_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("minillm_generation_tokens", "Output tokens generated", registry=r)
+        self.finished = Counter("minillm_request_finished", "Finished requests by stop reason", ["reason"], registry=r)
+        self.rejected = Counter("minillm_request_rejected", "Requests refused with 429 (queue full)", registry=r)
+        self.running = Gauge("minillm_num_requests_running", "Requests the worker is running (0 or 1)", registry=r)
+        self.waiting = Gauge("minillm_num_requests_waiting", "Requests waiting in the queue", registry=r)
+        self.kv_reserved = Gauge(
+            "minillm_kv_cache_bytes_reserved", "KV-cache bytes allocated by running requests", registry=r
+        )
+        self.kv_in_use = Gauge("minillm_kv_cache_bytes_in_use", "KV-cache bytes holding filled positions", registry=r)
+
+    def bind(self, worker) -> None:
+        """Read the gauges from the worker at scrape time (no bookkeeping in the request loop)."""
+        self.running.set_function(lambda: worker.running)
+        self.waiting.set_function(lambda: worker.queue.qsize())
+        self.kv_reserved.set_function(lambda: c.nbytes if (c := worker.cache) is not None else 0)
+        self.kv_in_use.set_function(lambda: c.used_bytes if (c := worker.cache) is not None else 0)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this server's registry."""
+        return generate_latest(self.registry)

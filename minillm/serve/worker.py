@@ -1,0 +1,315 @@
+"""The model worker: ONE thread runs every request, in arrival order, fed by a bounded queue.
+
+    event loop (HTTP)                               worker thread (NumPy)
+    ----------------                               ---------------------
+    submit(job) --- queue.Queue(maxsize) -------->  job = queue.get()
+    await job.channel.get()  <-- call_soon_threadsafe --  for delta in minillm.stream(...)
+    client gone: job.cancel.set()  ------------->  checked between steps -> StopReason.CANCELLED
+
+NumPy never runs on the event loop, so while a request decodes, the loop still answers /health,
+/metrics and new requests (they wait in the queue). The loop and the thread share only the job's
+``asyncio.Queue`` (written through ``loop.call_soon_threadsafe``) and its ``threading.Event``.
+
+Only the public ``minillm`` API is used here: ``load``, ``tokenize``, ``stream``, ``Tracer``,
+``KVCache``, ``StopReason``, ``MiniLLMError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import minillm
+
+from .metrics import ServerMetrics
+
+# How the trace shows whitespace in a piece ('␣capital'); undone to give a token's text back.
+_INVISIBLE = str.maketrans({"␣": " ", "↵": "\n", "⇥": "\t", "␍": "\r"})
+# OpenAI's stand-in for "too unlikely to list" (the trace keeps only the top 5 candidates).
+UNKNOWN_LOGPROB = -9999.0
+
+
+@dataclass
+class Job:
+    """One request as the worker sees it: what to run and where to send what it makes.
+
+    ``channel`` receives ``("delta", text)``, then either ``("done", Outcome)`` or
+    ``("error", MiniLLMError)``; nothing after that.
+    """
+
+    request_id: str
+    prompt: str | list[dict]  # a completion prompt, or chat messages
+    chat: bool
+    params: minillm.SamplingParams
+    max_tokens: int | None  # None: up to the context
+    stop: list[str] | None
+    top_logprobs: int | None  # None: no logprobs; 0..5: that many alternatives per token
+    loop: asyncio.AbstractEventLoop
+    channel: asyncio.Queue
+    cancel: threading.Event = field(default_factory=threading.Event)
+    arrival: float = field(default_factory=time.perf_counter)  # seconds (perf_counter)
+
+    def send(self, kind: str, value) -> None:
+        """Hand an item to the event loop thread-safely (never blocks the worker)."""
+        self.loop.call_soon_threadsafe(self.channel.put_nowait, (kind, value))
+
+
+@dataclass
+class Outcome:
+    """How a request ended, in the units the HTTP layer needs (tokens, seconds)."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    stop_reason: minillm.StopReason
+    queue_wait_s: float
+    ttft_s: float | None  # from arrival (queue wait included) to the first token; None if no token
+    logprobs: list[dict] | None  # one entry per output token: token, logprob, top alternatives
+
+
+class QueueFullError(Exception):
+    """More requests wait than ``max_queue`` allows (the HTTP layer answers 429)."""
+
+
+class Worker:
+    """Loads the model, then runs queued jobs one at a time on its own thread.
+
+    Args:
+        model_name: a name from ``minillm models`` or a local folder.
+        max_queue: how many requests may *wait* (the running one not counted); beyond: QueueFullError.
+        request_timeout_s: seconds from arrival (queue wait included) after which a request stops
+            with StopReason.TIMEOUT; None: no limit.
+        max_seq_len: cap on each request's KV cache (positions); None: the model's context.
+        verbosity: the trace printed on ``console`` for every request (quiet, summary, steps, full).
+        startup_delay_s: sleep this long before loading (tests and the lesson watch /health say 503).
+        keep_traces: how many finished requests' traces ``trace()`` remembers (oldest dropped).
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        metrics: ServerMetrics,
+        max_queue: int = 64,
+        request_timeout_s: float | None = None,
+        max_seq_len: int | None = None,
+        threads: int | None = None,
+        warmup: bool = True,
+        verbosity: str = "summary",
+        console=None,
+        startup_delay_s: float = 0.0,
+        keep_traces: int = 100,
+    ):
+        self.model_name = model_name
+        self.metrics = metrics
+        self.request_timeout_s = request_timeout_s
+        self.max_seq_len = max_seq_len
+        self.threads = threads
+        self.warmup = warmup
+        self.verbosity = verbosity
+        self.console = console
+        self.startup_delay_s = startup_delay_s
+        self.model: minillm.Model | None = None
+        self.status = "starting"  # starting -> loading -> ready | failed
+        self.error: str | None = None
+        self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.running = 0  # 0 or 1: one worker thread
+        self.cache: minillm.KVCache | None = None  # the running request's KV cache
+        self.traces: OrderedDict[str, dict] = OrderedDict()
+        self.keep_traces = keep_traces
+        self._lock = threading.Lock()  # guards traces (written by the worker, read by the loop)
+        self._ids = itertools.count()
+        metrics.bind(self)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker thread: load (and warm up) the model, then serve the queue."""
+        threading.Thread(target=self._run, name="minillm-worker", daemon=True).start()
+
+    def _run(self) -> None:
+        self.status = "loading"
+        if self.startup_delay_s > 0:
+            time.sleep(self.startup_delay_s)  # on purpose (--startup-delay); /health says so
+        try:
+            tracer = self._tracer()
+            self.model = minillm.load(
+                self.model_name, tracer=tracer, warmup=self.warmup, threads=self.threads, progress=False
+            )
+        except Exception as exc:  # noqa: BLE001 - reported by /health (503) rather than killing the server
+            self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            return
+        self.status = "ready"
+        while True:
+            self._serve(self.queue.get())
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (arrival order). Raises QueueFullError when ``max_queue`` jobs already wait."""
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFullError(f"{self.queue.maxsize} requests are already waiting") from None
+
+    @property
+    def context(self) -> int:
+        """Positions a request may use: the model's context, capped by ``max_seq_len``."""
+        ctx = self.model.config.max_position_embeddings
+        return min(ctx, self.max_seq_len) if self.max_seq_len else ctx
+
+    def _tracer(self) -> minillm.Tracer:
+        console = self.console if self.verbosity != "quiet" else None
+        return minillm.Tracer(console, verbosity=self.verbosity, live=False)
+
+    # --- one request -------------------------------------------------------------------------
+    def _serve(self, job: Job) -> None:
+        wait = time.perf_counter() - job.arrival
+        self.metrics.queue_wait.observe(wait)
+        if job.cancel.is_set():  # the client left while the request waited: no work at all
+            self._remember(job, minillm.StopReason.CANCELLED, wait, [], note="client left while queued")
+            job.send("done", Outcome("", 0, 0, minillm.StopReason.CANCELLED, wait, None, None))
+            return
+        tracer = self._tracer()
+        if tracer.console is not None:
+            tracer.console.rule(f"request {job.request_id}  (waited {wait * 1e3:.1f} ms in the queue)")
+        results: list = []
+        self.running = 1
+        try:
+            # Size the KV cache ourselves so /metrics can read its bytes while it runs.
+            n_prompt = len(minillm.tokenize(self.model, job.prompt, chat=job.chat))
+            max_new = job.max_tokens or max(1, self.context - n_prompt)  # OpenAI's default: up to the context
+            self.cache = minillm.KVCache.for_model(self.model.config, max(1, min(self.context, n_prompt + max_new)))
+            timeout = None
+            if self.request_timeout_s is not None:  # the deadline counts from arrival: queue wait included
+                timeout = max(self.request_timeout_s - wait, 1e-6)
+            for delta in minillm.stream(
+                self.model,
+                job.prompt,
+                job.params,
+                max_new_tokens=max_new,
+                chat=job.chat,
+                tracer=tracer,
+                cache=self.cache,
+                stop=job.stop,
+                timeout_s=timeout,
+                cancel=job.cancel,
+                result=results,
+            ):
+                job.send("delta", delta)
+        except minillm.MiniLLMError as exc:  # a request the runtime refuses: the client gets a 400
+            self._remember(job, None, wait, tracer.events, note=f"{type(exc).__name__}: {exc}")
+            job.send("error", exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug: still answer the client, keep the worker alive
+            self._remember(job, None, wait, tracer.events, note=f"internal error {type(exc).__name__}: {exc}")
+            job.send("error", exc)
+            return
+        finally:
+            if self.cache is not None:
+                self.cache.free()  # the request's KV memory goes back, however it ended
+            self.cache = None
+            self.running = 0
+        result = results[0]
+        m = result.metrics
+        ttft = wait + m.ttft_s if result.ids and m.ttft_s is not None else None
+        if ttft is not None:
+            self.metrics.ttft.observe(ttft)
+        for step in m.decode_step_s:
+            self.metrics.tpot.observe(step)
+        self.metrics.e2e.observe(time.perf_counter() - job.arrival)
+        self.metrics.prompt_tokens.inc(len(result.prompt_ids))
+        self.metrics.generation_tokens.inc(len(result.ids))
+        self.metrics.finished.labels(reason=result.stop_reason.value).inc()
+        logprobs = self._logprobs(result, tracer.events, job.top_logprobs) if job.top_logprobs is not None else None
+        self._remember(job, result.stop_reason, wait, tracer.events)
+        job.send(
+            "done",
+            Outcome(result.text, len(result.prompt_ids), len(result.ids), result.stop_reason, wait, ttft, logprobs),
+        )
+
+    def _remember(self, job: Job, reason, wait: float, events: list, note: str | None = None) -> None:
+        """Keep the request's trace for GET /v1/traces/{id} (the newest ``keep_traces`` only)."""
+        record = {
+            "id": job.request_id,
+            "stop_reason": reason.value if reason is not None else "error",
+            "queue_wait_s": wait,
+            "note": note,
+            "events": [_event_dict(e) for e in events],
+        }
+        with self._lock:
+            self.traces[job.request_id] = record
+            while len(self.traces) > self.keep_traces:
+                self.traces.popitem(last=False)
+
+    def trace(self, request_id: str) -> dict | None:
+        """The stored trace of a finished request, or None (unknown or already dropped)."""
+        with self._lock:
+            return self.traces.get(request_id)
+
+    # --- logprobs from the trace ---------------------------------------------------------------
+    def _logprobs(self, result, events: list, top: int) -> list[dict]:
+        """One entry per output token, read from the trace's prefill and decode events.
+
+        The trace records, for every step, the chosen token's probability and the top 5
+        candidates, in the distribution ``sample`` draws from (after temperature, top-k, top-p,
+        min-p and the repetition penalty; at temperature 0, the distribution at temperature 1).
+        The first token's probability comes from the prefill candidates; if it is not among
+        them (a sampled rarity), its logprob is UNKNOWN_LOGPROB.
+        """
+        tok = self.model.tokenizer
+        prefill = next((e for e in events if e.phase == "prefill"), None)
+        decodes = [e for e in events if e.phase == "decode"]
+        ids = [i for i in result.ids if not (result.stop_reason is minillm.StopReason.EOS and i == result.ids[-1])]
+        entries = []
+        for n, token_id in enumerate(ids):
+            if n == 0:
+                cands = prefill.data["candidates"] if prefill else []
+                prob = dict(cands).get(tok.piece_for_display(token_id))
+            else:
+                data = decodes[n - 1].data
+                cands, prob = data["candidates"], data["prob"]
+            text = minillm.detokenize(self.model, [token_id], skip_special_tokens=False)
+            entries.append(
+                {
+                    "token": text,
+                    "logprob": _log(prob),
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [_candidate(piece, q) for piece, q in cands[:top]],
+                }
+            )
+        return entries
+
+    def next_id(self, prefix: str) -> str:
+        """A request id unique in this process, e.g. ``chatcmpl-1a2b3c4d-0007``."""
+        return f"{prefix}-{self.metrics.instance}-{next(self._ids):04d}"
+
+
+def _log(prob: float | None) -> float:
+    return math.log(prob) if prob else UNKNOWN_LOGPROB
+
+
+def _candidate(piece: str, prob: float) -> dict:
+    text = piece.translate(_INVISIBLE)
+    return {"token": text, "logprob": _log(prob), "bytes": list(text.encode("utf-8"))}
+
+
+def _event_dict(event) -> dict:
+    """A TraceEvent as plain JSON data; NaN (e.g. TPOT of a one-token request) becomes None,
+    because strict JSON, which HTTP responses use, has no NaN."""
+    import json
+
+    return _finite(json.loads(event.to_json()))
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

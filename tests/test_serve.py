@@ -1,0 +1,523 @@
+"""`minillm serve` as a client sees it: the official `openai` client and httpx against a real server.
+
+Two servers per module (subprocesses, free ports, --threads 1):
+- ``server``: the main one, default settings; greedy parity, logprobs, cancellation, 16 clients,
+  bad requests, the bench.
+- ``small_server``: --startup-delay 3 --max-queue 4 --request-timeout 0.5; /health while loading,
+  429 when the queue is full, the timeout, schemathesis (the timeout bounds every generated request).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import minillm
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m-instruct"
+
+
+# --- servers -----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(tmp_path: Path, *flags: str, wait_ready: bool = True):
+    """Start ``python -m minillm serve`` on a free port; yield (base url, log path); stop it."""
+    port = free_port()
+    log = tmp_path / f"serve-{port}.log"
+    cmd = [sys.executable, "-m", "minillm", "serve", MODEL, "--port", str(port), "--threads", "1", *flags]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "100"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(url, lambda r: r is not None, proc, log)  # listening (any answer)
+        if wait_ready:
+            wait_for(url, lambda r: r is not None and r.status_code == 200, proc, log)
+        yield url, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_for(url, done, proc, log, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            r = httpx.get(url + "/health", timeout=2)
+        except httpx.HTTPError:
+            r = None
+        if done(r):
+            return r
+        time.sleep(0.05)
+    raise TimeoutError(f"server not ready after {timeout} s:\n{log.read_text() if log else ''}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("serve")) as (url, log):
+        yield url, log
+
+
+@pytest.fixture(scope="module")
+def model():
+    return minillm.load(MODEL, progress=False, warmup=False, threads=1)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """/metrics as {sample name + labels: value}."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+# --- greedy parity -----------------------------------------------------------------------------
+CASES = [  # (chat?, prompt, stop)
+    (True, "What is the capital of France?", None),
+    (True, "Write one word about the sea 🌊.", None),
+    (True, "日本の首都はどこですか？", None),
+    (True, "Count: one, two, three,", [" five"]),
+    (True, "Say hello in French.", "."),
+    (False, "The capital of France is", None),
+    (False, "Emoji weather report: ☀️ 🌧️", None),
+    (False, "中国的首都是", None),
+    (False, "1, 2, 3, 4,", [" 6"]),
+    (False, "def add(a, b):", "\n\n"),
+]
+
+
+@pytest.mark.parametrize(("chat", "prompt", "stop"), CASES)
+def test_greedy_stream_equals_nonstream_equals_in_process(client, model, chat, prompt, stop):
+    n = 12
+    messages = [{"role": "user", "content": prompt}]
+    expected = minillm.generate(
+        model, messages if chat else prompt, minillm.SamplingParams(temperature=0), max_new_tokens=n, stop=stop
+    )
+    n_prompt = len(minillm.tokenize(model, messages if chat else prompt))
+    common = {"model": MODEL, "max_tokens": n, "temperature": 0, "stop": stop}
+    if chat:
+        full = client.chat.completions.create(messages=messages, **common)
+        text, finish = full.choices[0].message.content, full.choices[0].finish_reason
+        chunks = list(
+            client.chat.completions.create(
+                messages=messages, stream=True, stream_options={"include_usage": True}, **common
+            )
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        full = client.completions.create(prompt=prompt, **common)
+        text, finish = full.choices[0].text, full.choices[0].finish_reason
+        chunks = list(
+            client.completions.create(prompt=prompt, stream=True, stream_options={"include_usage": True}, **common)
+        )
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected.text
+    assert streamed == expected.text
+    assert full.usage.prompt_tokens == n_prompt
+    assert full.usage.completion_tokens == len(expected.ids)
+    assert chunks[-1].usage.prompt_tokens == n_prompt  # the include_usage chunk, last, no choices
+    assert chunks[-1].usage.completion_tokens == len(expected.ids) and chunks[-1].choices == []
+    reasons = {"eos": "stop", "stop string": "stop", "max new tokens": "length"}
+    assert finish == reasons[expected.stop_reason.value]
+    if stop is not None and expected.stop_reason is minillm.StopReason.STOP_STRING:
+        assert all(s not in text for s in ([stop] if isinstance(stop, str) else stop))
+
+
+def test_a_stop_string_case_really_stops(client, model):
+    """At least one of the CASES ends on its stop string (so parity covered the cut)."""
+    hits = [
+        p
+        for chat, p, stop in CASES
+        if stop
+        and minillm.generate(
+            model,
+            [{"role": "user", "content": p}] if chat else p,
+            minillm.SamplingParams(temperature=0),
+            max_new_tokens=12,
+            stop=stop,
+        ).stop_reason
+        is minillm.StopReason.STOP_STRING
+    ]
+    assert hits
+
+
+def test_logprobs_chat_and_legacy_shapes(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi!"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = r.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:  # greedy: the chosen token is the most likely candidate
+        assert len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert e.logprob <= 0 and e.bytes == list(e.token.encode())
+    c = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2
+    )
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and len(lp.tokens) == c.usage.completion_tokens == 5
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(len(d) <= 2 and max(d.values()) == pytest.approx(v) for d, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+# --- ids, traces, console -------------------------------------------------------------------------
+def test_request_id_header_body_trace_and_console(server):
+    url, log = server
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    rid = r.headers["x-request-id"]
+    assert r.json()["id"] == rid and rid.startswith("cmpl-")
+    trace = httpx.get(f"{url}/v1/traces/{rid}").json()
+    phases = [e["phase"] for e in trace["events"]]
+    assert phases[:3] == ["prepare", "tokenize", "prefill"] and phases[-2:] == ["stop", "summary"]
+    assert trace["stop_reason"] == "max new tokens" and phases.count("decode") == 2
+    assert f"request {rid}" in log.read_text()  # the console trace (summary verbosity) names the request
+    one = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 1})
+    summary = httpx.get(f"{url}/v1/traces/{one.headers['x-request-id']}").json()["events"][-1]["data"]
+    assert summary["tpot_s"] is None and summary["new_tokens"] == 1  # no decode step: NaN in Python, null in JSON
+    missing = httpx.get(f"{url}/v1/traces/cmpl-nope")
+    assert missing.status_code == 404 and "cmpl-nope" in missing.json()["error"]["message"]
+
+
+def test_models_endpoint(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+# --- cancellation --------------------------------------------------------------------------------
+def test_disconnect_mid_stream_cancels_and_frees_the_cache(server):
+    url, _ = server
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+        rid = r.headers["x-request-id"]
+        lines = r.iter_lines()  # held in a name: leaving a `for` over it would close the connection at once
+        chunks = 0
+        while chunks < 3:
+            chunks += next(lines).startswith("data: ")
+        during = metrics(url)  # still connected
+    # leaving the block closed the connection mid-stream
+    left = time.monotonic()
+    while time.monotonic() - left < 2.0:
+        after = metrics(url)
+        if after["minillm_num_requests_running"] == 0 and after["minillm_kv_cache_bytes_in_use"] == 0:
+            break
+        time.sleep(0.02)
+    assert during["minillm_num_requests_running"] == 1 and during["minillm_kv_cache_bytes_in_use"] > 0
+    assert during["minillm_kv_cache_bytes_reserved"] >= during["minillm_kv_cache_bytes_in_use"]
+    assert after["minillm_num_requests_running"] == 0
+    assert after["minillm_kv_cache_bytes_in_use"] == 0 and after["minillm_kv_cache_bytes_reserved"] == 0
+    trace = httpx.get(f"{url}/v1/traces/{rid}").json()
+    assert trace["stop_reason"] == "cancelled"
+    stop = next(e for e in trace["events"] if e["phase"] == "stop")
+    assert stop["data"]["reason"] == "cancelled"
+    decoded = sum(e["phase"] == "decode" for e in trace["events"])
+    assert 2 <= decoded < 100  # stopped long before the 400-token budget
+
+
+# --- many clients --------------------------------------------------------------------------------
+def test_16_concurrent_streams_all_complete_in_arrival_order(server, model):
+    url, _ = server
+    prompts = [f"Tell me a fact about the number {i}." for i in range(4)]
+    expected = {
+        p: minillm.generate(
+            model, [{"role": "user", "content": p}], minillm.SamplingParams(temperature=0), max_new_tokens=6
+        ).text
+        for p in prompts
+    }
+    before = metrics(url)
+    texts: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": prompts[i % 4]}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+        }
+        parts = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choices = json.loads(line[6:])["choices"]
+                    parts += [c["delta"].get("content") or "" for c in choices]
+        texts[i] = "".join(parts)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = metrics(url)
+    assert len(texts) == 16
+    assert all(texts[i] == expected[prompts[i % 4]] for i in range(16))
+    wait_count = after["minillm_request_queue_time_seconds_count"] - before["minillm_request_queue_time_seconds_count"]
+    assert wait_count == 16
+    # One worker: the 16 requests ran one at a time, so together they waited in the queue for
+    # longer than the slowest single request took end to end (the last one waited for ~15 others).
+    waited = after["minillm_request_queue_time_seconds_sum"] - before["minillm_request_queue_time_seconds_sum"]
+    e2e = after["minillm_e2e_request_latency_seconds_sum"] - before["minillm_e2e_request_latency_seconds_sum"]
+    assert waited > 0.5 * e2e
+
+
+# --- bad requests --------------------------------------------------------------------------------
+def chat_body(**fields):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
+
+
+BAD = [  # (path, body or raw text, status, words the message must contain)
+    ("chat", chat_body(temperature="hot"), 400, ["temperature"]),
+    ("chat", chat_body(temperature=3), 400, ["temperature", "2"]),
+    ("chat", chat_body(top_p=1.5), 400, ["top_p", "1"]),
+    ("chat", chat_body(max_tokens=0), 400, ["max_tokens", "1"]),
+    ("chat", chat_body(max_tokens="ten"), 400, ["max_tokens"]),
+    ("chat", chat_body(max_tokens=10**9), 400, ["max_tokens", "8,192"]),
+    ("chat", chat_body(messages=[]), 400, ["messages"]),
+    ("chat", {"model": MODEL}, 400, ["messages"]),
+    ("chat", chat_body(messages=[{"role": "user", "content": 5}]), 400, ["messages.0.content"]),
+    ("chat", chat_body(messages=[{"role": "robot", "content": "hi"}]), 400, ["robot", "system, user"]),
+    ("chat", chat_body(messages=[{"role": "user", "content": "hello " * 9000}]), 400, ["prompt is", "8,192"]),
+    ("chat", "{not json", 400, ["JSON"]),
+    ("chat", "[]", 400, ["body"]),
+    ("chat", chat_body(n=2), 400, ["n=2", "not supported"]),
+    ("chat", chat_body(model="gpt-4o"), 404, ["gpt-4o", MODEL]),
+    ("chat", chat_body(stop=[""]), 400, ["stop"]),
+    ("chat", chat_body(seed=-1), 400, ["seed", "0"]),
+    ("chat", chat_body(top_k=-1), 400, ["top_k", "0"]),
+    ("chat", chat_body(repetition_penalty=0), 400, ["repetition_penalty", "0"]),
+    ("chat", chat_body(logprobs=True, top_logprobs=6), 400, ["top_logprobs", "5"]),
+    ("chat", chat_body(stream=5), 400, ["stream"]),
+    ("completions", {"model": MODEL, "prompt": ""}, 400, ["prompt"]),
+    ("completions", {"model": MODEL, "prompt": "Hi", "logprobs": 10}, 400, ["logprobs", "5"]),
+    ("completions", {"model": MODEL, "prompt": "Hi", "echo": True}, 400, ["echo"]),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "words"), BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_request_gets_4xx_in_openai_shape(server, path, body, status, words):
+    url = server[0] + ("/v1/chat/completions" if path == "chat" else "/v1/completions")
+    if isinstance(body, str):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(url, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word in error["message"], error["message"]
+
+
+def test_openai_client_raises_its_own_errors(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=9)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.completions.create(model="nope", prompt="Hi")
+
+
+# --- the small server: loading, queue limit, timeout, schemathesis --------------------------------
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    """Loading delayed 3 s on purpose; 4 may wait; every request ends after 0.5 s at most."""
+    flags = ("--startup-delay", "3", "--max-queue", "4", "--request-timeout", "0.5", "--verbosity", "quiet")
+    with running_server(tmp_path_factory.mktemp("small"), *flags, wait_ready=False) as (url, log):
+        yield url, log
+
+
+def test_health_is_503_while_loading_then_200(small_server):
+    url, _ = small_server
+    early = httpx.get(url + "/health")
+    assert early.status_code == 503
+    assert early.json()["status"] == "loading" and "--startup-delay" in early.json()["note"]
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+    seen = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        seen.append(httpx.get(url + "/health").status_code)
+        if seen[-1] == 200:
+            break
+        time.sleep(0.05)
+    assert seen[-1] == 200 and set(seen) == {503, 200}
+    assert httpx.get(url + "/health").json()["status"] == "ready"
+
+
+def test_full_queue_answers_429_with_retry_after(small_server):
+    url, _ = small_server
+    wait_for(url, lambda r: r is not None and r.status_code == 200, None, None)
+    before = metrics(url)["minillm_request_rejected_total"]
+    results = []
+
+    def one():
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
+        results.append(httpx.post(url + "/v1/completions", json=body, timeout=60))
+
+    threads = [threading.Thread(target=one) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = [r for r in results if r.status_code == 200]
+    busy = [r for r in results if r.status_code == 429]
+    assert len(ok) + len(busy) == 16
+    assert len(ok) >= 5  # one running + four waiting, at least (the first may finish before the last arrives)
+    assert len(busy) >= 1
+    for r in busy:
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "queue_full"
+    assert metrics(url)["minillm_request_rejected_total"] - before == len(busy)
+
+
+def test_request_timeout_ends_with_length_and_says_timed_out(small_server):
+    url, _ = small_server
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0},
+        timeout=60,
+    ).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["minillm_stop_reason"] == "timed out"
+    assert 0 < r["usage"]["completion_tokens"] < 2000
+
+
+def test_schemathesis_finds_no_5xx(small_server):
+    """Schemathesis generates valid and invalid requests from /openapi.json; none may get a 5xx.
+
+    Half the generated bodies get the served model's name, so they reach the model (the server's
+    --request-timeout 0.5 bounds each); the others exercise the 404 and validation paths.
+    """
+    import hypothesis
+    import hypothesis.strategies as st
+    import schemathesis
+    from schemathesis import GenerationMode
+
+    url, _ = small_server
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    cases = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE))
+    statuses: list[int] = []
+
+    @hypothesis.settings(
+        max_examples=80,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
+    @hypothesis.given(case=cases, named=st.booleans())
+    def check(case, named):
+        if named and isinstance(case.body, dict) and "model" in case.body:
+            case.body["model"] = MODEL
+        response = case.call(base_url=url, timeout=30)
+        statuses.append(response.status_code)
+        assert response.status_code < 500, (case.method, case.path, case.body, response.text)
+
+    check()
+    assert len(statuses) >= 40 and any(s == 200 for s in statuses) and any(400 <= s < 500 for s in statuses)
+
+
+# --- the bench against this server ----------------------------------------------------------------
+def histogram_median(before: dict, after: dict, name: str) -> float:
+    """Median of the observations made between two scrapes, read off the histogram's buckets.
+
+    Method (Prometheus's histogram_quantile): subtract the cumulative bucket counts of the two
+    scrapes, find the first bucket whose count reaches half the total, and interpolate linearly
+    between its lower and upper bound. The buckets are 15 % apart (metrics.LATENCY_BUCKETS), so the
+    estimate is off by at most half a bucket, ~7 %, when the observations are close together.
+    """
+    buckets = sorted(
+        (float(k.split("le=")[1].rstrip("}")), after[k] - before.get(k, 0.0))
+        for k in after
+        if k.startswith(name + "_bucket{") and "+Inf" not in k
+    )
+    total = after[name + "_count"] - before.get(name + "_count", 0.0)
+    lower, below = 0.0, 0.0
+    for upper, cumulative in buckets:
+        if cumulative >= total / 2:
+            return lower + (upper - lower) * (total / 2 - below) / max(cumulative - below, 1e-9)
+        lower, below = upper, cumulative
+    raise AssertionError("median beyond the last bucket")
+
+
+def test_bench_ttft_matches_the_server_histogram(server, tmp_path):
+    url, _ = server
+    out = tmp_path / "bench.json"
+    before = metrics(url)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minillm",
+            "bench",
+            "--url",
+            url,
+            "--model",
+            MODEL,
+            "--concurrency",
+            "1",
+            "--requests",
+            "8",
+            "--prompt-tokens",
+            "128",
+            "--max-tokens",
+            "4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "COLUMNS": "160"},
+    )
+    after = metrics(url)
+    assert run.returncode == 0, run.stderr
+    assert "TTFT" in run.stdout and str(out) in run.stdout
+    results = json.loads(out.read_text())
+    level = results["levels"][0]
+    assert level["concurrency"] == 1 and level["ok"] == 8 and level["errors"] == 0
+    assert level["usage_from_server"] and level["completion_tokens_mean"] == 4
+    assert 0.85 * 128 <= level["prompt_tokens_mean"] <= 1.15 * 128  # calibrated on the server's own tokenizer
+    t = level["ttft_s"]
+    assert 0 < t["p50"] <= t["p90"] <= t["p99"] and level["requests_per_s"] > 0 and level["output_tokens_per_s"] > 0
+    # The histogram also holds the bench's 3 calibration probes (max_tokens 1, prompts of about the
+    # same length), so their TTFTs sit among the others and barely move the median.
+    server_median = histogram_median(before, after, "minillm_time_to_first_token_seconds")
+    assert (
+        after["minillm_time_to_first_token_seconds_count"] - before["minillm_time_to_first_token_seconds_count"] == 11
+    )
+    assert abs(t["p50"] - server_median) <= 0.2 * server_median, (t["p50"], server_median)
