@@ -190,7 +190,7 @@ class Transformer:
         seq = h.shape[0]
         n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qkv = layer.project("qkv", h)  # [seq, q_dim + 2 kv_dim]
-        q, k, v = np.split(qkv, [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=-1)
+        q, k, v = qkv[:, : cfg.q_dim], qkv[:, cfg.q_dim : -cfg.kv_dim], qkv[:, -cfg.kv_dim :]  # views
         q = q.reshape(seq, n_heads, hd).transpose(1, 0, 2)  # [n_heads, seq, head_dim]
         k = k.reshape(seq, n_kv, hd).transpose(1, 0, 2)  # [n_kv_heads, seq, head_dim]
         v = v.reshape(seq, n_kv, hd).transpose(1, 0, 2)  # [n_kv_heads, seq, head_dim]
@@ -219,7 +219,8 @@ class Transformer:
         """
         if self.config.mlp is MlpKind.GATED:
             gate_up = layer.project("gate_up", h)  # [seq, 2 * ffn]: gate | up
-            gate, up = np.split(gate_up, 2, axis=-1)  # each [seq, ffn]
+            ffn = self.config.intermediate_size
+            gate, up = gate_up[:, :ffn], gate_up[:, ffn:]  # each [seq, ffn], views
             return layer.project("down", self.act(gate) * up)
         return layer.project("down", self.act(layer.project("up", h)))
 

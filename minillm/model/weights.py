@@ -80,9 +80,11 @@ class LayerWeights:
         ``"down"``): ``x`` ``[seq, in]`` -> ``[seq, out]``, plus the low-rank path of every active
         unmerged LoRA adapter on it (each a :class:`~minillm.model.lora.LoraDelta`, adding
         ``[seq, rows]`` to its own output rows)."""
-        y = primitives.linear(x, getattr(self, "w_" + name), getattr(self, "b_" + name))
-        for path in self.lora.get("w_" + name, ()):
-            y[:, path.rows] += path(x)
+        weight, bias = _PROJECTIONS[name]
+        y = primitives.linear(x, getattr(self, weight), getattr(self, bias))
+        if self.lora:  # unmerged adapters: each adds its path to its own rows
+            for path in self.lora.get(weight, ()):
+                y[:, path.rows] += path(x)
         return y
 
     def projections(self):
@@ -91,6 +93,10 @@ class LayerWeights:
         for a in (self.w_qkv, self.w_o, self.w_gate_up, self.w_up, self.w_down):
             if a is not None:
                 yield a
+
+
+#: projection name -> its weight and bias fields in LayerWeights
+_PROJECTIONS = {name: ("w_" + name, "b_" + name) for name in ("qkv", "o", "gate_up", "up", "down")}
 
 
 @dataclass
