@@ -11,7 +11,7 @@ from hypothesis.extra import numpy as hnp
 from minillm.errors import InvalidRequestError, SamplingParamsError
 from minillm.runtime.sampling import (
     SamplingParams, apply_min_p, apply_repetition_penalty, apply_temperature, apply_top_k, apply_top_p,
-    candidates, process_logits, sample, softmax,
+    SeedWithoutRngWarning, candidates, process_logits, sample, softmax,
 )
 
 PROBS = np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32)
@@ -90,7 +90,8 @@ def test_same_seed_same_tokens():
     draws = lambda rng: [sample(logits, params, rng) for _ in range(20)]
     assert draws(np.random.default_rng(42)) == draws(np.random.default_rng(42))
     assert len(set(draws(np.random.default_rng(7)))) > 1
-    assert sample(logits, params) == sample(logits, params)  # rng=None -> default_rng(seed)
+    with pytest.warns(SeedWithoutRngWarning):  # rng=None -> default_rng(seed) on each call, which warns
+        assert sample(logits, params) == sample(logits, params)
 
 
 def test_sample_never_picks_a_removed_token():
