@@ -281,7 +281,11 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=False)
 
     def id_to_piece(self, token_id: int) -> str:
-        """The raw vocabulary entry, e.g. 'Ġcapital' (byte-level BPE) or '▁capital' (SentencePiece)."""
+        """The raw vocabulary entry, e.g. 'Ġcapital' (byte-level BPE) or '▁capital' (SentencePiece).
+
+        Raises TokenizerError for an id the tokenizer does not have (negative, or a padded row of
+        the model's embedding: see :meth:`piece_for_display`).
+        """
         piece = self.backend.id_to_token(int(token_id)) if int(token_id) >= 0 else None
         if piece is None:
             raise TokenizerError(f"token id {token_id} is not in the vocabulary (size {self.vocab_size})")
@@ -292,9 +296,16 @@ class Tokenizer:
 
         The piece is turned back into its bytes (byte-level table, '▁' -> space, '<0xE5>' -> byte);
         bytes that are only part of a UTF-8 character are shown escaped, e.g. '\\xe5'.
+
+        An id >= 0 with no entry shows as ``<id 287>``: models pad their embedding past the
+        tokenizer (Qwen2.5: 151,936 rows for 151,665 tokens; rows are rounded up for fast matrix
+        shapes), so the model can score, and emit, ids that have no text. Such an id decodes to ""
+        (as in transformers, which skips it). Raises TokenizerError for a negative id.
         """
-        piece = self.id_to_piece(token_id)
         token_id = int(token_id)
+        if token_id >= 0 and self.backend.id_to_token(token_id) is None:
+            return f"<id {token_id}>"
+        piece = self.id_to_piece(token_id)
         if token_id in self.special_token_ids:
             return piece.translate(_VISIBLE)  # its text, whitespace made visible like every piece
         if token_id in self._added:  # added tokens hold plain text (Gemma's space runs: '▁▁▁')
