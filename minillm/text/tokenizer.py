@@ -30,12 +30,29 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from minillm.errors import ChatTemplateError, TokenizerError
+from minillm.errors import ChatTemplateError, InvalidRequestError, TokenizerError
 from minillm.text.chat_template import ChatTemplate, ChatText, compile_chat_template, render_chat_template
 
 # How piece_for_display makes invisible characters visible.
 _VISIBLE = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"})
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte-fallback token
+_SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair: not a character, has no UTF-8
+
+
+def check_encodable(text: str, what: str = "the text") -> None:
+    """Raise InvalidRequestError naming the position of a lone surrogate (U+D800..U+DFFF) in ``text``.
+
+    Python strings can hold them (a JSON escape like ``"\\ud800"``, or an emoji cut between its
+    two UTF-16 halves); they are not characters, have no UTF-8 bytes, and ``tokenizers`` fails on
+    them with a bare TypeError.
+    """
+    if (m := _SURROGATE.search(text)) is not None:
+        i = m.start()
+        raise InvalidRequestError(
+            f"{what} holds a lone surrogate U+{ord(m.group()):04X} at character {i} "
+            f"(around {text[max(i - 10, 0) : i + 10]!r}); it is half of a UTF-16 pair, not a character, and has "
+            "no UTF-8 bytes. Remove it, or clean the text with text.encode('utf-8', 'replace').decode()"
+        )
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -210,6 +227,7 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
         """Text -> ids, ``int64 [seq]``.
 
+        Raises InvalidRequestError for a lone surrogate (``"a\\ud800b"``), naming its position.
         ``add_special_tokens`` runs the tokenizer's post-processor (which may prepend BOS, e.g.
         Llama 3, Gemma); rendered chat text already contains its specials, so pass False there
         (or use :meth:`encode_chat`). Special-token text such as ``<|im_end|>`` inside ``text``
@@ -221,6 +239,7 @@ class Tokenizer:
             raise TokenizerError(
                 f"encode() takes a string, got {type(text).__name__}; for chat messages use encode_chat()"
             )
+        check_encodable(text)
         encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
         ids = encoding.ids
         if isinstance(text, ChatText) and text.typed_special_spans:
