@@ -300,8 +300,8 @@ def tiny_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray] = {}) -> Pat
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
-    for name, t in tensors.items():
-        w.add_tensor(name, t)
+    for name, t in tensors.items():  # an array, or (packed bytes, its GGML type)
+        w.add_tensor(name, t[0], raw_dtype=t[1]) if isinstance(t, tuple) else w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -333,9 +333,13 @@ def test_gguf_architecture_not_converted(tmp_path):
 def test_gguf_quantization_type_not_read(tmp_path):
     from minillm.sources.gguf_import import import_gguf
 
-    # gguf.quants cannot dequantize integer tensors: I32 stands in for any such type
-    file = tiny_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": np.zeros(32, np.int32)})
-    with pytest.raises(GGUFError, match=r"m.gguf: tensor token_embd.weight \(1 tensor\(s\)\) has type I32, which "
+    import gguf
+
+    # gguf.quants cannot dequantize Q8_1 (one block: 32 values in 40 bytes): it stands in for any such
+    # type (integer tensors are read as plain numbers, see test_gguf_import.py's byte-order tests)
+    packed = (np.zeros((1, 40), np.uint8), gguf.GGMLQuantizationType.Q8_1)
+    file = tiny_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": packed})
+    with pytest.raises(GGUFError, match=r"m.gguf: tensor token_embd.weight \(1 tensor\(s\)\) has type Q8_1, which "
                                         "gguf.quants cannot dequantize; use a GGUF quantized as"):
         import_gguf(file, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
