@@ -139,12 +139,15 @@ def _limit_or_float32(values: np.ndarray) -> np.ndarray:
 
 
 def _as_float32_value(value: float) -> float:
-    """A positive parameter rounded to float32, as transformers holds it, as a Python float; one
-    beyond float32's range stays as given (huge), one below it becomes the smallest double (~0)."""
-    if value > F32_MAX:
-        return float(value)
+    """A positive parameter rounded to float32, as transformers holds it, as a Python float, kept
+    inside float32's range: below it, the smallest float32 (1.4e-45); above it, the largest. Then a
+    float32 logit scaled by it (at most 3.4e38 * 3.4e38, or / 1.4e-45) never overflows float64, so
+    the order of the scaled logits survives for :func:`_limit_or_float32`."""
+    smallest = float(np.finfo(np.float32).smallest_subnormal)
+    if value >= F32_MAX:
+        return F32_MAX
     with np.errstate(under="ignore"):
-        return float(np.float32(value)) or float(np.finfo(np.float64).tiny)
+        return max(float(np.float32(value)), smallest)
 
 
 def probabilities(logits) -> np.ndarray:
