@@ -300,8 +300,8 @@ def tiny_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray] = {}) -> Pat
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
-    for name, t in tensors.items():
-        w.add_tensor(name, t)
+    for name, t in tensors.items():  # an array, or (packed bytes, its GGML type)
+        w.add_tensor(name, t[0], raw_dtype=t[1]) if isinstance(t, tuple) else w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -333,9 +333,13 @@ def test_gguf_architecture_not_converted(tmp_path):
 def test_gguf_quantization_type_not_read(tmp_path):
     from minillm.sources.gguf_import import import_gguf
 
-    # gguf.quants cannot dequantize integer tensors: I32 stands in for any such type
-    file = tiny_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": np.zeros(32, np.int32)})
-    with pytest.raises(GGUFError, match=r"m.gguf: tensor token_embd.weight \(1 tensor\(s\)\) has type I32, which "
+    import gguf
+
+    # gguf.quants cannot dequantize Q8_1 (one block: 32 values in 40 bytes): it stands in for any such
+    # type (integer tensors are read as plain numbers, see test_gguf_import.py's byte-order tests)
+    packed = (np.zeros((1, 40), np.uint8), gguf.GGMLQuantizationType.Q8_1)
+    file = tiny_gguf(tmp_path / "m.gguf", "llama", {"token_embd.weight": packed})
+    with pytest.raises(GGUFError, match=r"m.gguf: tensor token_embd.weight \(1 tensor\(s\)\) has type Q8_1, which "
                                         "gguf.quants cannot dequantize; use a GGUF quantized as"):
         import_gguf(file, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
@@ -393,9 +397,12 @@ def with_template(tok: Tokenizer, template: str) -> Tokenizer:
     return Tokenizer(tok.backend, special_tokens=tok.special_tokens, chat_template=template)
 
 
-def test_a_message_with_an_unknown_role(wtok):
-    with pytest.raises(ChatTemplateError, match="message 1 has role 'robot'; use one of system, user, assistant, tool"):
-        minillm.tokenize(scripted_model(wtok, []), [{"role": "user", "content": "AB"}, {"role": "robot", "content": "C"}])
+def test_a_role_the_template_refuses(wtok):
+    """The template decides which roles it accepts (as in transformers); its refusal names the role."""
+    tok = with_template(wtok, "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+                              "{{ raise_exception('unknown role ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="the chat template refused the messages: unknown role robot"):
+        minillm.tokenize(scripted_model(tok, []), [{"role": "user", "content": "AB"}, {"role": "robot", "content": "C"}])
 
 
 def test_raise_exception_message_comes_through(wtok):

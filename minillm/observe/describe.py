@@ -225,16 +225,18 @@ def decode(
     )
 
 
-def stop(model, reason: StopReason, condition, text: str, **numbers) -> dict[str, Any]:
-    """Why the request ended, in a sentence with its numbers (:func:`describe_stop`)."""
+def stop(model, reason: StopReason, condition, text: str, ends_inside_character: bool = False, **numbers) -> dict:
+    """Why the request ended, in a sentence with its numbers (:func:`describe_stop`); and, when the
+    last tokens are only the first bytes of a character, that the text ends in U+FFFD because of it."""
     tok = model.tokenizer
     eos_text = tok.decode([condition], skip_special_tokens=False) if reason is StopReason.EOS else ""
-    return dict(
-        reason=reason.value,
-        condition=condition,
-        text=text,
-        detail=describe_stop(reason, condition, eos_ids=sorted(tok.eos_token_ids), eos_text=eos_text, **numbers),
-    )
+    detail = describe_stop(reason, condition, eos_ids=sorted(tok.eos_token_ids), eos_text=eos_text, **numbers)
+    if ends_inside_character:
+        detail += (
+            "; the output ends inside a character: the last tokens hold only its first bytes, "
+            "so the text ends in U+FFFD '\ufffd' (as the full decode does)"
+        )
+    return dict(reason=reason.value, condition=condition, text=text, detail=detail)
 
 
 def summary(model, metrics, text: str, first_request: bool, others_cpu_share: float) -> dict[str, Any]:

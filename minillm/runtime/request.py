@@ -378,6 +378,7 @@ class Request:
             window=self.window,
             elapsed_s=self.metrics.total_s,
             include=self.include_stop_string,
+            ends_inside_character=bool(getattr(self.output.detokenizer, "ends_inside_character", False)),
         )
         self._emit(
             "summary",

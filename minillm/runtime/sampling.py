@@ -13,18 +13,27 @@ on its own in a notebook. ``process_logits`` applies them in transformers' order
 
 Removed entries become ``-inf``, so softmax gives them probability exactly 0. Then ``sample``
 draws one id from softmax of what is left -- or, at temperature 0, takes the argmax (greedy).
+
+Numerics: no valid setting may give NaN or infinite probabilities. Dividing by a tiny temperature
+(or a tiny repetition penalty) can overflow float32 (``3 / 1e-40``); two distinct float32 logits
+scaled that far apart differ by far more than the ~104 it takes for ``exp`` to reach 0, so the
+distribution is one-hot on the largest: such a step *is* greedy, and is computed as greedy
+(:func:`_limit_or_float32`). A NaN logit is an error (it means the forward pass broke); ``-inf``
+logits are masked ids and stay at probability 0. Underflow (``exp(-200)`` -> 0) is the right answer
+in float32 and is allowed explicitly.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from minillm.errors import InvalidRequestError, SamplingParamsError
-from minillm.model.primitives import softmax  # one softmax: subtract the max, exp, normalise
+from minillm.model.primitives import softmax  # the one softmax (also re-exported for lessons and tests)
 
 
 @dataclass(frozen=True)
@@ -88,13 +97,78 @@ class SamplingParams:
 #: transformers' ``generate`` without ``do_sample``). ``SamplingParams()`` itself asks to sample.
 GREEDY = SamplingParams(temperature=0.0)
 
+F32_MAX = float(np.finfo(np.float32).max)  # about 3.4e38
+
+
+class SeedWithoutRngWarning(UserWarning):
+    """``sample(logits, SamplingParams(seed=...))`` with no ``rng``: each call restarts the generator."""
+
 
 def _as_logits(logits) -> np.ndarray:
-    """A float32 ``[vocab]`` copy (processors never modify their input)."""
-    out = np.array(logits, dtype=np.float32)  # copy
+    """A float32 ``[vocab]`` copy (processors never modify their input).
+
+    Raises:
+        InvalidRequestError: wrong shape, a NaN, or every id masked (all ``-inf``).
+    """
+    with np.errstate(over="ignore", under="ignore"):  # float64 input beyond float32: inf / 0, checked next
+        out = np.array(logits, dtype=np.float32)  # copy
     if out.ndim != 1 or out.size == 0:
         raise InvalidRequestError(f"logits must have shape [vocab], got {out.shape}; pass the last position's row")
+    if np.isnan(out).any():
+        bad = np.flatnonzero(np.isnan(out))
+        raise InvalidRequestError(
+            f"logits contain NaN at {bad.size} of {out.size} ids (first: id {bad[0]}); the forward pass produced "
+            "NaN (overflow in the weights or activations): check the weights and the dtype they were loaded in"
+        )
+    if np.isneginf(out).all():
+        raise InvalidRequestError(
+            "every logit is -inf: all ids are masked and there is nothing to sample; leave at least one id unmasked"
+        )
     return out
+
+
+def _limit_or_float32(values: np.ndarray) -> np.ndarray:
+    """float64 scaled logits -> float32, or, where they left float32's range, the limit: greedy.
+
+    Beyond float32's range (or at +inf) the largest logit takes all the probability (see the
+    module note), so only it (and exact ties) is kept, at 0, the rest at -inf.
+    """
+    top = np.max(values)
+    if top == np.inf or np.abs(values[np.isfinite(values)]).max(initial=0.0) > F32_MAX:
+        out = np.full(values.shape, -np.inf, dtype=np.float32)
+        out[values == top] = 0.0
+        return out
+    with np.errstate(under="ignore"):  # a tiny scaled logit rounds to 0 or a subnormal: fine
+        return values.astype(np.float32)
+
+
+def _as_float32_value(value: float) -> float:
+    """A positive parameter rounded to float32, as transformers holds it, as a Python float, kept
+    inside float32's range: below it, the smallest float32 (1.4e-45); above it, the largest. Then a
+    float32 logit scaled by it (at most 3.4e38 * 3.4e38, or / 1.4e-45) never overflows float64, so
+    the order of the scaled logits survives for :func:`_limit_or_float32`."""
+    smallest = float(np.finfo(np.float32).smallest_subnormal)
+    if value >= F32_MAX:
+        return F32_MAX
+    with np.errstate(under="ignore"):
+        return max(float(np.float32(value)), smallest)
+
+
+def probabilities(logits) -> np.ndarray:
+    """The model's softmax (``primitives.softmax``, float32 as transformers computes it) made safe
+    for sampling: ``float32 [vocab]``, finite, summing to 1, masked (-inf) ids at 0.
+
+    A +inf logit takes all the probability (shared by ties). Underflow is allowed: ``exp`` of a
+    very negative number is 0, the right float32 answer.
+
+    Raises:
+        InvalidRequestError: a NaN, or every id masked.
+    """
+    x = _as_logits(logits)
+    if x.max() == np.inf:
+        return (x == np.inf).astype(np.float32) / np.float32(np.count_nonzero(x == np.inf))
+    with np.errstate(under="ignore"):
+        return softmax(x)
 
 
 def apply_repetition_penalty(logits, seen_ids: Iterable[int], penalty: float) -> np.ndarray:
@@ -113,17 +187,33 @@ def apply_repetition_penalty(logits, seen_ids: Iterable[int], penalty: float) ->
     if ids[0] < 0 or ids[-1] >= out.size:
         bad = ids[0] if ids[0] < 0 else ids[-1]
         raise InvalidRequestError(f"seen id {bad} is outside the vocabulary [0, {out.size})")
-    picked = out[ids]
-    out[ids] = np.where(picked < 0, picked * np.float32(penalty), picked / np.float32(penalty))
-    return out
+    # In float64 with transformers' float32 penalty: the same float32 results (double rounding is
+    # harmless for one * or /), and a tiny penalty's overflow is seen instead of becoming inf.
+    p = _as_float32_value(penalty)
+    picked = out[ids].astype(np.float64)
+    with np.errstate(over="ignore", under="ignore"):
+        scaled = out.astype(np.float64)
+        scaled[ids] = np.where(picked < 0, picked * p, picked / p)
+    return _limit_or_float32(scaled)
 
 
 def apply_temperature(logits, temperature: float) -> np.ndarray:
-    """Divide logits by ``temperature`` (> 0). Temperature 0 is greedy: handle it before this."""
+    """Divide logits by ``temperature`` (> 0). Temperature 0 is greedy: handle it before this.
+
+    A temperature so small that the scaled logits leave float32's range (``3 / 1e-40``) gives
+    the limit, greedy: the largest logit at 0, the rest at -inf (see the module note).
+    """
     if not temperature > 0:
         raise SamplingParamsError(f"apply_temperature needs temperature > 0, got {temperature}; use argmax for 0")
     out = _as_logits(logits)
-    return out if temperature == 1.0 else out / np.float32(temperature)
+    if temperature == 1.0:
+        return out
+    # transformers divides float32 by float32(t); in float64 the result rounds the same, and an
+    # overflow shows instead of turning every positive logit into the same inf.
+    t = _as_float32_value(temperature)
+    with np.errstate(over="ignore", under="ignore"):
+        scaled = out.astype(np.float64) / t
+    return _limit_or_float32(scaled)
 
 
 def apply_top_k(logits, k: int) -> np.ndarray:
@@ -150,7 +240,7 @@ def apply_top_p(logits, p: float) -> np.ndarray:
     if p >= 1.0:
         return out
     order = np.argsort(out, kind="stable")  # least likely first
-    cumulative = np.cumsum(softmax(out[order]))  # [vocab] float32, running total from the bottom
+    cumulative = np.cumsum(probabilities(out[order]))  # [vocab] float32, running total from the bottom
     drop = cumulative <= np.float32(1.0 - p)
     drop[-1] = False  # never remove the best id (transformers' min_tokens_to_keep=1)
     out[order[drop]] = -np.inf
@@ -162,18 +252,23 @@ def apply_min_p(logits, min_p: float) -> np.ndarray:
     out = _as_logits(logits)
     if min_p <= 0.0:
         return out
-    probs = softmax(out)
-    out[probs < np.float32(min_p) * probs.max()] = -np.inf
+    probs = probabilities(out)
+    with np.errstate(under="ignore"):  # min_p * a small max prob may round to a subnormal
+        out[probs < np.float32(min_p) * probs.max()] = -np.inf
     return out
 
 
 def process_logits(logits, params: SamplingParams, seen_ids: Iterable[int] = ()) -> np.ndarray:
     """All processors in transformers' order -> ``float32 [vocab]`` with removed ids at -inf.
 
-    At temperature 0 the temperature step is skipped (greedy takes the argmax of these logits,
-    which no filter ever removes).
+    At temperature 0 the temperature step is skipped. (Greedy itself takes the argmax of the
+    penalised logits, as transformers does without ``do_sample``: the filters apply to sampling.)
     """
-    out = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    return _warp(apply_repetition_penalty(logits, seen_ids, params.repetition_penalty), params)
+
+
+def _warp(out: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Temperature (unless greedy), top-k, top-p, min-p on already penalised logits ``[vocab]``."""
     if not params.greedy:
         out = apply_temperature(out, params.temperature)
     out = apply_top_k(out, params.top_k)
@@ -185,9 +280,21 @@ def sample(logits, params: SamplingParams, rng: np.random.Generator | None = Non
     """Choose the next token id from ``float32 [vocab]`` logits.
 
     Temperature 0: argmax after the repetition penalty (no division by zero, no randomness).
-    Otherwise: one draw from ``softmax(process_logits(...))`` using only ``rng``. Pass the same
-    rng for a whole request; with ``rng=None`` a fresh ``np.random.default_rng(params.seed)`` is
-    made on each call, so repeated calls replay the same random number.
+    Otherwise: one draw from ``softmax(process_logits(...))`` using only ``rng``.
+
+    Make one generator per request and pass it to every call, as ``generate`` does::
+
+        rng = np.random.default_rng(params.seed)
+        for step in ...:
+            tok = sample(logits, params, rng)
+
+    With ``rng=None`` a fresh ``np.random.default_rng(params.seed)`` is made on each call, so in a
+    loop every step draws the *same* random number; with a seed set this warns
+    (:class:`SeedWithoutRngWarning`) rather than keep a hidden generator that two requests sharing
+    the same params would also share.
+
+    Raises:
+        InvalidRequestError: NaN logits, all logits ``-inf``, or a seen id outside the vocabulary.
     """
     if params.greedy:
         return int(np.argmax(apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)))
@@ -200,15 +307,24 @@ def sample_with_probs(
     """:func:`sample`, also returning the distribution it chose from: ``float32 [vocab]``.
 
     The same token as :func:`sample` for the same arguments. At temperature 0 the distribution is
-    the filtered one at temperature 1 (greedy takes its most likely id, which no filter removes).
-    The trace shows these probabilities; computing them costs a softmax over the vocabulary, so
-    :func:`sample` skips it at temperature 0.
+    the penalised logits' softmax at temperature 1, unfiltered: greedy takes its argmax, and like
+    transformers without ``do_sample`` it applies no top-k / top-p / min-p. The trace shows these
+    probabilities; computing them costs a softmax over the vocabulary, so :func:`sample` skips it
+    at temperature 0.
     """
-    processed = process_logits(logits, params, seen_ids)
-    probs = softmax(processed)
+    penalized = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
     if params.greedy:
-        return int(np.argmax(processed)), probs
+        return int(np.argmax(penalized)), probabilities(penalized)
+    probs = probabilities(_warp(penalized, params))
     if rng is None:
+        if params.seed is not None:
+            warnings.warn(
+                f"sample() got SamplingParams(seed={params.seed}) but no rng: a new generator is made from the "
+                "seed on every call, so each step of a loop draws the same number. Make one per request, "
+                "rng = np.random.default_rng(params.seed), and pass it to every sample() call",
+                SeedWithoutRngWarning,
+                stacklevel=3,
+            )
         rng = np.random.default_rng(params.seed)
     p64 = probs.astype(np.float64)
     # Inverse-CDF draw: the first id whose cumulative probability passes u. Ids at probability 0
@@ -226,9 +342,6 @@ def top_candidates(probs: np.ndarray, k: int = 5) -> list[tuple[int, float]]:
 
 
 def candidates(logits, params: SamplingParams, seen_ids: Iterable[int] = (), k: int = 5) -> list[tuple[int, float]]:
-    """The ``k`` most likely ids that survive processing, with their probabilities (for traces).
-
-    Probabilities are those ``sample`` draws from; at temperature 0 they are the filtered
-    distribution at temperature 1 (greedy picks the first).
-    """
-    return top_candidates(softmax(process_logits(logits, params, seen_ids)), k)
+    """The ``k`` most likely ids of the distribution :func:`sample` chooses from, with their
+    probabilities (for traces; see :func:`sample_with_probs`)."""
+    return top_candidates(sample_with_probs(logits, params, np.random.default_rng(0), seen_ids)[1], k)

@@ -31,32 +31,44 @@ def is_chat(prompt: Prompt, chat: bool | None) -> bool:
     return isinstance(prompt, list) if chat is None else chat
 
 
-def prompt_text(model: Model, prompt: Prompt, *, chat: bool | None = None) -> str:
+def prompt_text(model: Model, prompt: Prompt, *, chat: bool | None = None, **chat_options) -> str:
     """The text the model will read: the chat template rendered over the messages, or the prompt.
 
+    ``chat_options`` go to the template (``Tokenizer.apply_chat_template``): ``tools``,
+    ``documents``, ``continue_final_message``, ``add_generation_prompt``, ``enable_thinking`` ...
+
     Raises:
-        InvalidRequestError: empty prompt. ChatTemplateError: bad messages or no template.
+        InvalidRequestError: empty prompt, or chat options with a completion prompt.
+        ChatTemplateError: bad messages or no template.
     """
     if not prompt:
         raise InvalidRequestError("the prompt is empty; give at least one character (or one message).")
     if not is_chat(prompt, chat):
+        if chat_options:
+            raise InvalidRequestError(
+                f"chat options {sorted(chat_options)} only apply to chat prompts; pass messages or chat=True"
+            )
         return prompt
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    return model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return model.tokenizer.apply_chat_template(messages, **chat_options)
 
 
-def tokenize(model: Model, prompt: Prompt, *, chat: bool | None = None) -> np.ndarray:
+def tokenize(model: Model, prompt: Prompt, *, chat: bool | None = None, **chat_options) -> np.ndarray:
     """Turn a prompt into token ids ``[seq]`` int64.
 
     A ``str`` is encoded as a completion prompt unless ``chat=True``; a list of
     ``{"role", "content"}`` messages always goes through the model's chat template (rendered in a
     jinja2 sandbox, then encoded without adding special tokens, so there is never a second BOS).
+    ``chat_options`` (``tools=``, ``documents=``, ``continue_final_message=True``,
+    ``enable_thinking=False`` ...) are passed to the template as transformers passes them; by
+    default the assistant's turn is opened (``add_generation_prompt``) unless continuing a message.
 
     Raises:
-        InvalidRequestError: empty prompt. ChatTemplateError: bad messages or no template.
+        InvalidRequestError: empty prompt, or chat options with a completion prompt.
+        ChatTemplateError: bad messages or options, no template, the template's own refusal.
     """
     chat = is_chat(prompt, chat)
-    return model.tokenizer.encode(prompt_text(model, prompt, chat=chat), add_special_tokens=not chat)
+    return model.tokenizer.encode(prompt_text(model, prompt, chat=chat, **chat_options), add_special_tokens=not chat)
 
 
 def prefill(model: Model, ids: np.ndarray, cache: KVCache) -> np.ndarray:

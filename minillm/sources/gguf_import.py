@@ -8,6 +8,12 @@ layout, so this module translates once, at download time:
     GGUF tokens    -> tokenizer.json (built with the `tokenizers` library)
     GGUF tensors   -> model.safetensors (dequantized to float32 by `gguf.quants.dequantize`)
 
+Byte order: a GGUF says its byte order by how its version number reads (llama.cpp's converter
+writes big-endian files with ``--bigendian``, for s390x). Every tensor is read through
+:func:`read_tensor`, which turns the file's numbers into this machine's order; packed block data
+(Q4_K, Q8_0, ..., BF16 as bytes) has no byte order gguf can state, so a big-endian file holding it is
+refused rather than read as garbage.
+
 Three translations are not just renames, and each has a comment where it happens:
 - GGUF lists a tensor's dims fastest-first (`[in, out]`); NumPy wants `[out, in]`.
 - llama.cpp reorders q_proj/k_proj rows for its interleaved RoPE (llama family); we undo that for
@@ -200,7 +206,7 @@ def import_gguf(
         raise GGUFError(f"output folder {out_dir} is not empty; remove it or choose another folder")
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    tensors = _convert_tensors(gguf_path, spec, plan, config, progress)
+    tensors = _convert_tensors(gguf_path, spec, reader, plan, config, progress)
     from safetensors.numpy import save_file
 
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -282,11 +288,61 @@ def _field_value(field_) -> Any:
     return value
 
 
+# Tensor types stored as plain numbers: read with the file's byte order, then widened to float32.
+_NUMBER_TYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
+
+
+def is_big_endian(reader) -> bool:
+    """True if the GGUF was written big-endian (gguf's reader tells from the version field)."""
+    import gguf
+
+    return reader.endianess == gguf.GGUFEndian.BIG
+
+
+def read_tensor(reader, t, path: pathlib.Path | None = None) -> np.ndarray:
+    """One GGUF tensor as float32 in this machine's byte order, shaped as the file stores it
+    (gguf's reader shape; :func:`_convert_tensors` reshapes to HF's ``[out, in]``).
+
+    Plain number types (F32, F16, F64, I8..I64) are read in the file's byte order, whatever it
+    is; block-quantized types and BF16 are dequantized with ``gguf.quants`` from a little-endian
+    file. Raises GGUFError for packed data in a big-endian file (never read silently wrong).
+    """
+    import gguf
+
+    kind = t.tensor_type.name
+    if kind in _NUMBER_TYPES:
+        # gguf's reader views these with the file's byte order (e.g. '>f4'); astype converts the
+        # *values* to native float32. (gguf.quants.dequantize would reinterpret the bytes instead.)
+        native = np.dtype(_NUMBER_TYPES[kind]).newbyteorder("=")
+        return np.asarray(t.data).astype(native).astype(np.float32)
+    if is_big_endian(reader):
+        name = path.name if path is not None else "the GGUF"
+        raise GGUFError(
+            f"{name} is big-endian and tensor {t.name} is {kind}: packed block data (its fp16 scales) has no "
+            "byte order gguf can state, so it cannot be read safely; convert the model little-endian "
+            "(llama.cpp's convert_hf_to_gguf.py without --bigendian), or big-endian as F32/F16"
+        )
+    return np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+
 def _check_tensor_types(path: pathlib.Path, reader) -> None:
-    """Fail before any work if gguf.quants cannot dequantize one of the file's tensor types."""
+    """Fail before any work if a tensor type cannot be read: gguf.quants has no dequantizer for it,
+    or it is packed data in a big-endian file (see :func:`read_tensor`)."""
     import gguf
 
     for qtype in sorted({t.tensor_type for t in reader.tensors}):
+        if qtype.name in _NUMBER_TYPES:
+            continue
+        if is_big_endian(reader):
+            read_tensor(reader, next(t for t in reader.tensors if t.tensor_type == qtype), path)  # raises
         _, type_size = gguf.GGML_QUANT_SIZES[qtype]
         try:  # one all-zero block is enough to learn whether a dequantizer exists
             gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
@@ -376,17 +432,15 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return np.ascontiguousarray(w.swapaxes(1, 2).reshape(rows, *w.shape[3:]))  # [n_heads*head_dim, d_model]
 
 
-def _convert_tensors(path, spec: ArchSpec, plan, config: dict, progress: bool) -> dict[str, np.ndarray]:
+def _convert_tensors(path, spec: ArchSpec, reader, plan, config: dict, progress: bool) -> dict[str, np.ndarray]:
     """Dequantize every planned tensor to float32 under its HF name, in HF's `[out, in]` layout."""
-    import gguf
     from rich.progress import track
 
     out: dict[str, np.ndarray] = {}
     for t, hf_name, local in track(plan, f"dequantizing {path.name}", transient=True, disable=not progress):
         # GGUF lists dims fastest-varying first ([in, out]); NumPy/HF order is the reverse.
         shape = tuple(int(d) for d in reversed(t.shape))
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = np.array(w, dtype=np.float32).reshape(shape)  # copy: F32 comes back as a view of the file
+        w = read_tensor(reader, t, path).reshape(shape)  # a float32 copy, in this machine's byte order
         if local in spec.rope_permuted:
             w = _unpermute_rope_rows(w, config[spec.rope_permuted[local]])
         if spec.norm_shift and t.name.endswith("norm.weight"):

@@ -68,6 +68,9 @@ class IncrementalDetokenizer:
         self.read_offset = len(context)
         self.token_ids: list[int] = []  # every generated id passed to add(), specials included
         self.text = ""  # everything emitted so far
+        # Set by flush(): the stream ended on the first bytes of a character that never completed
+        # (max_new_tokens cut it); the last delta then ends in U+FFFD, as the full decode does.
+        self.ends_inside_character = False
 
     def _hidden(self, token_id: int) -> bool:
         return self.skip_special_tokens and token_id in self.tokenizer.special_token_ids
@@ -99,7 +102,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Emit whatever is held back (end of stream). Never raises.
 
-        A half character left at the end comes out as the full decode shows it (usually '�').
+        A half character left at the end comes out as the full decode shows it (usually '�'),
+        so ``"".join(deltas)`` still equals the full decode; ``ends_inside_character`` then says so.
         """
         try:
             prefix_text, new_text = self._pending_text()
@@ -108,4 +112,5 @@ class IncrementalDetokenizer:
         if len(new_text) <= len(prefix_text):
             self.prefix_offset = self.read_offset = len(self._ids)
             return ""
+        self.ends_inside_character = new_text.endswith(REPLACEMENT_CHAR)  # held back for a half character
         return self._emit(new_text[len(prefix_text) :])

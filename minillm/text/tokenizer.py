@@ -30,12 +30,29 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from minillm.errors import ChatTemplateError, TokenizerError
-from minillm.text.chat_template import ChatText, compile_chat_template, render_chat_template
+from minillm.errors import ChatTemplateError, InvalidRequestError, TokenizerError
+from minillm.text.chat_template import ChatTemplate, ChatText, compile_chat_template, render_chat_template
 
 # How piece_for_display makes invisible characters visible.
 _VISIBLE = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"})
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte-fallback token
+_SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair: not a character, has no UTF-8
+
+
+def check_encodable(text: str, what: str = "the text") -> None:
+    """Raise InvalidRequestError naming the position of a lone surrogate (U+D800..U+DFFF) in ``text``.
+
+    Python strings can hold them (a JSON escape like ``"\\ud800"``, or an emoji cut between its
+    two UTF-16 halves); they are not characters, have no UTF-8 bytes, and ``tokenizers`` fails on
+    them with a bare TypeError.
+    """
+    if (m := _SURROGATE.search(text)) is not None:
+        i = m.start()
+        raise InvalidRequestError(
+            f"{what} holds a lone surrogate U+{ord(m.group()):04X} at character {i} "
+            f"(around {text[max(i - 10, 0) : i + 10]!r}); it is half of a UTF-16 pair, not a character, and has "
+            "no UTF-8 bytes. Remove it, or clean the text with text.encode('utf-8', 'replace').decode()"
+        )
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -107,12 +124,22 @@ class Tokenizer:
         *,
         special_tokens: dict[str, str | None] | None = None,
         extra_eos_ids: tuple[int, ...] = (),
-        chat_template: str | None = None,
+        chat_template: str | dict[str, str] | None = None,
         source: str = "<memory>",
     ):
         self.backend = backend
         self.source = source
-        self.chat_template = chat_template
+        # One template, or several by name ({"default": ..., "tool_use": ...}): transformers picks
+        # "tool_use" when tools are passed, else "default".
+        named = chat_template if isinstance(chat_template, dict) else {"default": chat_template}
+        self.chat_templates: dict[str, str] = {k: v for k, v in named.items() if v}
+        self.chat_template: str | None = self.chat_templates.get("default")
+        # Compiled now, so a broken template fails at load, not at the first chat request.
+        where = f"chat_template in {source}/tokenizer_config.json (or chat_template.jinja)"
+        self._templates: dict[str, ChatTemplate] = {
+            name: compile_chat_template(text, where=f"{where}, template {name!r}" if len(named) > 1 else where)
+            for name, text in self.chat_templates.items()
+        }
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
 
@@ -164,13 +191,16 @@ class Tokenizer:
             raise TokenizerError(f"cannot read {file}: {exc}; re-download or re-convert the model folder") from exc
 
         cfg = _read_json(folder / "tokenizer_config.json")
-        names = ("bos_token", "eos_token", "unk_token", "pad_token")
+        # The special tokens a template sees by name (transformers' special_tokens_map).
+        names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
         special = {name: _token_content(cfg.get(name)) for name in names}
+        extra = cfg.get("extra_special_tokens")
+        if isinstance(extra, dict):  # Gemma 3: boi_token, eoi_token, image_token
+            special.update({k: _token_content(v) for k, v in extra.items() if isinstance(k, str)})
 
         template = cfg.get("chat_template")
         if isinstance(template, list):  # several named templates: [{"name": "default", "template": ...}]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
+            template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if not template and (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
 
@@ -197,6 +227,7 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> np.ndarray:
         """Text -> ids, ``int64 [seq]``.
 
+        Raises InvalidRequestError for a lone surrogate (``"a\\ud800b"``), naming its position.
         ``add_special_tokens`` runs the tokenizer's post-processor (which may prepend BOS, e.g.
         Llama 3, Gemma); rendered chat text already contains its specials, so pass False there
         (or use :meth:`encode_chat`). Special-token text such as ``<|im_end|>`` inside ``text``
@@ -208,6 +239,7 @@ class Tokenizer:
             raise TokenizerError(
                 f"encode() takes a string, got {type(text).__name__}; for chat messages use encode_chat()"
             )
+        check_encodable(text)
         encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
         ids = encoding.ids
         if isinstance(text, ChatText) and text.typed_special_spans:
@@ -268,7 +300,11 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=False)
 
     def id_to_piece(self, token_id: int) -> str:
-        """The raw vocabulary entry, e.g. 'Ġcapital' (byte-level BPE) or '▁capital' (SentencePiece)."""
+        """The raw vocabulary entry, e.g. 'Ġcapital' (byte-level BPE) or '▁capital' (SentencePiece).
+
+        Raises TokenizerError for an id the tokenizer does not have (negative, or a padded row of
+        the model's embedding: see :meth:`piece_for_display`).
+        """
         piece = self.backend.id_to_token(int(token_id)) if int(token_id) >= 0 else None
         if piece is None:
             raise TokenizerError(f"token id {token_id} is not in the vocabulary (size {self.vocab_size})")
@@ -279,9 +315,16 @@ class Tokenizer:
 
         The piece is turned back into its bytes (byte-level table, '▁' -> space, '<0xE5>' -> byte);
         bytes that are only part of a UTF-8 character are shown escaped, e.g. '\\xe5'.
+
+        An id >= 0 with no entry shows as ``<id 287>``: models pad their embedding past the
+        tokenizer (Qwen2.5: 151,936 rows for 151,665 tokens; rows are rounded up for fast matrix
+        shapes), so the model can score, and emit, ids that have no text. Such an id decodes to ""
+        (as in transformers, which skips it). Raises TokenizerError for a negative id.
         """
-        piece = self.id_to_piece(token_id)
         token_id = int(token_id)
+        if token_id >= 0 and self.backend.id_to_token(token_id) is None:
+            return f"<id {token_id}>"
+        piece = self.id_to_piece(token_id)
         if token_id in self.special_token_ids:
             return piece.translate(_VISIBLE)  # its text, whitespace made visible like every piece
         if token_id in self._added:  # added tokens hold plain text (Gemma's space runs: '▁▁▁')
@@ -299,54 +342,76 @@ class Tokenizer:
         """The text of every special token (``<|im_end|>``, ...), in id order; computed once."""
         return tuple(self.decode([i], skip_special_tokens=False) for i in sorted(self.special_token_ids))
 
-    # --- chat -----------------------------------------------------------------------------------
-    @cached_property
-    def _template(self):
-        return compile_chat_template(self.chat_template)
-
+    # --- chat ----------------------------------------------------------------------------------
     def apply_chat_template(
         self,
         messages: list[dict],
         *,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool | str = False,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
         allow_special_tokens_in_messages: bool = False,
+        **template_kwargs,
     ) -> ChatText:
-        """Render messages with the model's chat template (sandboxed), like transformers'
-        ``apply_chat_template(messages, tokenize=False)``.
+        """Render messages with the model's chat template (sandboxed), exactly as transformers'
+        ``apply_chat_template(messages, tokenize=False, ...)`` renders them with the same arguments.
 
-        ``messages``: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]``.
-        ``add_generation_prompt`` appends the header that opens the assistant's turn.
+        ``messages``: ``[{"role": ..., "content": ...}, ...]``; which roles and contents are valid
+        is the template's decision (tool calls, content blocks, ``reasoning_content`` all pass).
+        ``add_generation_prompt`` appends the header that opens the assistant's turn; the default
+        (None) means True, or False with ``continue_final_message`` (transformers' default is False).
+        ``continue_final_message=True`` leaves the last message open for the model to continue
+        (assistant prefill): ``...<|im_start|>assistant\nThe capital of France is``, no end marker.
+        ``tools`` (JSON schemas), ``documents`` (``{"title", "text"}`` dicts) and any other keyword
+        (``enable_thinking=False`` for Qwen 3 ...) are the template's variables, as in transformers.
+        With several named templates, ``tools`` selects ``"tool_use"`` if there is one.
 
         Special-token text inside a message (a user typing ``<|im_end|>``) is shown as typed but
         encodes as ordinary text: the result is a :class:`ChatText` that remembers where it is.
         (While rendering, the template sees a private placeholder there, so a typed marker cannot
-        change its branches either.) ``allow_special_tokens_in_messages=True`` renders the text
-        as given and lets it become control tokens, as transformers does.
+        change its branches either.) The same holds for tools, documents and extra keywords.
+        ``allow_special_tokens_in_messages=True`` renders the text as given and lets it become
+        control tokens, as transformers does by default.
 
-        Raises ChatTemplateError: no template, malformed message, template error or refusal
-        (``raise_exception``), or a template that tries to reach Python internals.
+        Raises ChatTemplateError: no template, malformed messages, incompatible options, the
+        template's own refusal (``raise_exception``, with its message) or render error, or a
+        template that tries to reach Python internals.
         """
-        if not self.chat_template:
+        if not self._templates:
             raise ChatTemplateError(
                 f"the model in {self.source} has no chat template (it is probably a base model); "
                 "use completion mode: pass plain text instead of messages"
             )
+        name = "tool_use" if tools is not None and "tool_use" in self._templates else "default"
+        if name not in self._templates:
+            raise ChatTemplateError(
+                f"the model in {self.source} has chat templates {sorted(self._templates)} but none named "
+                "'default'; add a default template to tokenizer_config.json"
+            )
         return render_chat_template(
-            self._template,
+            self._templates[name],
             messages,
             special_tokens=self.special_tokens,
             special_texts=None if allow_special_tokens_in_messages else self._special_texts,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            documents=documents,
+            template_kwargs=template_kwargs,
         )
 
     def encode_chat(
         self,
         messages: list[dict],
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
         *,
         allow_special_tokens_in_messages: bool = False,
+        **chat_options,
     ) -> np.ndarray:
-        """Render then encode with ``add_special_tokens=False``, ``int64 [seq]``.
+        """Render (:meth:`apply_chat_template`, same options) then encode with
+        ``add_special_tokens=False``, ``int64 [seq]``; the ids transformers'
+        ``apply_chat_template(..., tokenize=True)`` gives.
 
         The rendered text already holds the BOS / turn markers; letting the post-processor add
         another BOS would give the model a sequence it never saw in training. Special-token text
@@ -356,5 +421,6 @@ class Tokenizer:
             messages,
             add_generation_prompt=add_generation_prompt,
             allow_special_tokens_in_messages=allow_special_tokens_in_messages,
+            **chat_options,
         )
         return self.encode(text, add_special_tokens=False)
