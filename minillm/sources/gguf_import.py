@@ -460,28 +460,32 @@ def read_packed_tensors(gguf_path: str | os.PathLike) -> tuple[dict[str, PackedT
         "num_attention_heads": n_heads,
         "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", n_heads),
     }
+    # One owned copy per tensor, taken from a read-only map of the file: q/k rows are gathered in
+    # HF's order as they are copied (a second copy, freed after, would stay in the heap as holes).
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = []
-    with open(path, "rb") as f:
-        for name, type_id, dims, offset in infos:
-            qtype = gguf.GGMLQuantizationType(type_id)
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            rows = int(np.prod(dims[1:], dtype=np.int64))  # GGUF dims are fastest first: [in, out]
-            row_bytes = dims[0] // block * type_size
-            f.seek(data_start + offset)
-            data = np.fromfile(f, dtype=np.uint8, count=rows * row_bytes)
-            if data.size != rows * row_bytes:
-                raise GGUFError(f"{path.name}: tensor {name!r} runs past the end of the file; it is truncated")
-            tensors.append(_TensorInfo(name, qtype, dims, data.reshape(rows, row_bytes)))
+    for name, type_id, dims, offset in infos:
+        qtype = gguf.GGMLQuantizationType(type_id)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        rows = int(np.prod(dims[1:], dtype=np.int64))  # GGUF dims are fastest first: [in, out]
+        row_bytes = dims[0] // block * type_size
+        start = data_start + offset
+        if start + rows * row_bytes > mm.size:
+            raise GGUFError(f"{path.name}: tensor {name!r} runs past the end of the file; it is truncated")
+        tensors.append(_TensorInfo(name, qtype, dims, mm[start : start + rows * row_bytes].reshape(rows, row_bytes)))
     out = {}
     for t, hf_name, local in _plan_tensors(
         path, spec, _Tensors(tensors), {"num_hidden_layers": meta[f"{arch}.block_count"]}
     ):
         shape = tuple(reversed(t.shape))  # [out, in] (or [dim])
-        data = t.data
         if local in spec.rope_permuted:
-            data = _unpermute_rope_rows(data, heads[spec.rope_permuted[local]])
+            order = _unpermute_rope_rows(np.arange(len(t.data))[:, None], heads[spec.rope_permuted[local]])[:, 0]
+            data = np.asarray(t.data[order])  # HF row i is GGUF row order[i]
+        else:
+            data = np.array(t.data)
         shift = spec.norm_shift if t.name.endswith("norm.weight") else 0.0
         out[hf_name] = PackedTensor(t.name, t.tensor_type.name, shape, data, shift)
+    del tensors, mm
     return out, arch
 
 
