@@ -100,6 +100,13 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
         help="BLAS threads for the matrix multiplies (threadpoolctl; default: all cores)",
     )
     p.add_argument(
+        "--weight-dtype",
+        choices=("float32", "bfloat16", "int8", "gguf"),
+        default="float32",
+        help="how the weight matrices are held in memory: float32; bfloat16; int8 (per-row scales); "
+        "gguf (the model's GGUF blocks kept packed, e.g. Q4_1). Norms stay float32; the math is float32",
+    )
+    p.add_argument(
         "--adapter",
         action="append",
         default=None,
@@ -208,6 +215,7 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
         adapters=args.adapter,
         merge_adapters=args.adapter_mode == "merged",
         threads=args.threads,
+        weight_dtype=args.weight_dtype,
     )
     if args.command == "chat":
         messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minillm.model import primitives
+from minillm.model import held, primitives
 from minillm.model.config import ModelConfig
 from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
 from minillm.model.kv_cache import KVCache
@@ -136,7 +136,7 @@ class Transformer:
         rope = {t: self.rope(positions, t) for t in self.inv_freq}  # layer type -> (cos, sin) [seq, head_dim]
         masks = self.masks(seq, start)  # layer type -> [seq, ctx]
 
-        x = primitives.embed(token_ids, w.embed_tokens)  # [seq, d_model]
+        x = held.embed(token_ids, w.embed_tokens)  # [seq, d_model], float32 however the table is held
         if cfg.embed_scale is not None:  # Gemma: sqrt(d_model), in the activation dtype (float32)
             x = x * np.float32(cfg.embed_scale)
         if cfg.position_embedding is PositionKind.LEARNED:  # GPT-2: a learned vector per absolute position
@@ -153,7 +153,7 @@ class Transformer:
         if last_only:
             x = x[-1:]  # [1, d_model]
         x = self.norm(x, w.final_norm, w.final_norm_bias)
-        logits = x @ w.lm_head.T  # [seq, d_model] @ [d_model, vocab] -> [seq, vocab]
+        logits = held.linear(x, w.lm_head)  # [seq, d_model] @ [d_model, vocab] -> [seq, vocab]
         if cfg.final_logit_softcapping is not None:
             logits = primitives.softcap(logits, cfg.final_logit_softcapping)
         return logits

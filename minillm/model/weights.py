@@ -36,6 +36,7 @@ from minillm.errors import WeightsError
 from minillm.model import primitives
 from minillm.model.config import ModelConfig
 from minillm.model.families import CONV1D_FAMILIES, NAME_MAPS, OPTIONAL_PREFIX, MlpKind, NormKind, PositionKind
+from minillm.model.held import HeldMatrix, hold
 from minillm.sources.safetensors_file import StoredTensor, dtype_name, itemsize, read_safetensors_header, weight_files
 
 
@@ -70,18 +71,29 @@ class LayerWeights:
     lora: dict[str, list] = field(default_factory=dict)
 
     def arrays(self):
-        """Yield every parameter array of the block (skipping the absent ones; adapters not counted)."""
+        """Yield every parameter array or held matrix of the block (skipping the absent ones; adapters
+        not counted)."""
         for ffn in fields(self):
-            if isinstance(a := getattr(self, ffn.name), np.ndarray):
+            if isinstance(a := getattr(self, ffn.name), (np.ndarray, HeldMatrix)):
                 yield a
 
     def project(self, name: str, x: np.ndarray) -> np.ndarray:
         """``x @ W.T (+ b)`` for projection ``name`` (``"qkv"``, ``"o"``, ``"gate_up"``, ``"up"``,
         ``"down"``): ``x`` ``[seq, in]`` -> ``[seq, out]``, plus the low-rank path of every active
         unmerged LoRA adapter on it (each a :class:`~minillm.model.lora.LoraDelta`, adding
-        ``[seq, rows]`` to its own output rows)."""
+        ``[seq, rows]`` to its own output rows).
+
+        A float32 matrix is an array and goes straight to ``primitives.linear``; a matrix held in
+        another format (``held.py``: bfloat16, int8, GGUF blocks) gives float32 rows chunk by chunk.
+        """
         weight, bias = _PROJECTIONS[name]
-        y = primitives.linear(x, getattr(self, weight), getattr(self, bias))
+        w, b = getattr(self, weight), getattr(self, bias)
+        if isinstance(w, np.ndarray):
+            y = primitives.linear(x, w, b)
+        else:
+            y = w.linear(x)  # [seq, out]
+            if b is not None:
+                y += b
         if self.lora:  # unmerged adapters: each adds its path to its own rows
             for path in self.lora.get(weight, ()):
                 y[:, path.rows] += path(x)
@@ -101,7 +113,9 @@ _PROJECTIONS = {name: ("w_" + name, "b_" + name) for name in ("qkv", "o", "gate_
 
 @dataclass
 class Weights:
-    """All parameters, float32, plus bookkeeping for the trace."""
+    """All parameters, plus bookkeeping for the trace. At ``weight_dtype="float32"`` every matrix is
+    a float32 array; otherwise the matrices (embedding included) are :class:`~minillm.model.held.HeldMatrix`
+    objects and the norms (and biases) stay float32 arrays."""
 
     embed_tokens: np.ndarray  # [vocab, d_model]
     layers: list[LayerWeights]
@@ -114,6 +128,7 @@ class Weights:
     unused_tensors: list[str] = field(default_factory=list)  # in the files, not needed
     files: list[Path] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # {"read": bytes -> float32, "convert": layout}
+    weight_dtype: str = "float32"  # how the matrices are held: float32 | bfloat16 | int8 | gguf
 
     def arrays(self):
         """Yield every distinct parameter array once (a tied head is not counted twice)."""
@@ -124,8 +139,15 @@ class Weights:
         for layer in self.layers:
             yield from layer.arrays()
         yield self.final_norm
-        if not np.shares_memory(self.lm_head, self.embed_tokens):
+        if not self.tied:
             yield self.lm_head
+
+    @property
+    def tied(self) -> bool:
+        """True when the LM head is the embedding itself (one matrix, counted once)."""
+        if isinstance(self.lm_head, np.ndarray) and isinstance(self.embed_tokens, np.ndarray):
+            return np.shares_memory(self.lm_head, self.embed_tokens)
+        return self.lm_head is self.embed_tokens
 
     @property
     def num_parameters(self) -> int:
@@ -133,8 +155,40 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in memory as loaded (float32)."""
+        """Bytes held in memory as loaded (whatever each matrix's format)."""
         return sum(a.nbytes for a in self.arrays())
+
+    def formats(self) -> dict[str, tuple[int, int]]:
+        """``{format: (parameters, bytes)}`` as held now: ``"float32"`` for arrays (norms, and every
+        matrix at float32), else each held matrix's format (``"int8"``, ``"Q4_1"``, ``"Q8_0"``, ...),
+        the parts of a stacked q|k|v each under its own."""
+        out: Counter = Counter()
+        sizes: Counter = Counter()
+        for a in self.arrays():
+            for part in a.parts() if isinstance(a, HeldMatrix) else [a]:
+                name = str(part.dtype)
+                out[name] += part.size
+                sizes[name] += part.nbytes
+        return {name: (out[name], sizes[name]) for name in out}
+
+
+def hold_weights(weights: Weights, weight_dtype: str) -> Weights:
+    """Re-hold every matrix of float32 ``weights`` at ``weight_dtype`` (``"bfloat16"`` or ``"int8"``),
+    in place; norms and biases stay float32. The float32 block is released once nothing views it.
+
+    The embedding is held too (its rows are looked up, or, tied, multiplied as the LM head).
+    """
+    if weight_dtype == "float32":
+        return weights
+    for layer in weights.layers:
+        for name in ("w_qkv", "w_o", "w_gate_up", "w_up", "w_down"):
+            if (w := getattr(layer, name)) is not None:
+                setattr(layer, name, hold(w, weight_dtype))
+    tied = weights.tied
+    weights.embed_tokens = hold(weights.embed_tokens, weight_dtype)
+    weights.lm_head = weights.embed_tokens if tied else hold(weights.lm_head, weight_dtype)
+    weights.weight_dtype = weight_dtype
+    return weights
 
 
 def _read_tensors(files: list[Path]) -> tuple[dict[str, StoredTensor], Counter, Counter]:

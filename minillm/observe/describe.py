@@ -16,7 +16,7 @@ import numpy as np
 from minillm.model.config import ModelConfig
 from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
 from minillm.observe.diagnosis import diagnose
-from minillm.observe.metrics import blas_summary, blas_threads, kv_memory_table, weight_memory_table
+from minillm.observe.metrics import blas_summary, blas_threads, held_weight_table, kv_memory_table, weight_memory_table
 from minillm.runtime.sampling import top_candidates
 from minillm.runtime.stopping import StopReason
 
@@ -260,6 +260,9 @@ def summary(model, metrics, text: str, first_request: bool, others_cpu_share: fl
         others_cpu_share=others_cpu_share,
         parameters=params,
         weight_bytes=weight_memory_table(params),
+        weights_held=held_weight_table(model.transformer.weights.formats())
+        if hasattr(model.transformer.weights, "formats")
+        else {},
         kv_bytes=kv_memory_table(model.config),
         context=model.config.max_position_embeddings,
         diagnosis={

@@ -59,6 +59,15 @@ def weight_memory_table(num_parameters: int) -> dict[str, int]:
     return {name: int(num_parameters * b) for name, b in DTYPE_BYTES.items()}
 
 
+def held_weight_table(formats: dict[str, tuple[int, int]]) -> dict[str, dict[str, float]]:
+    """The weights as actually held: ``{format: {"parameters", "bytes", "bits_per_weight"}}`` from
+    ``Weights.formats()`` (real block sizes: Q4_1 is 20 bytes per 32 weights, 5.0 bits), plus ``"total"``."""
+    rows = {f: {"parameters": n, "bytes": b, "bits_per_weight": 8 * b / n} for f, (n, b) in formats.items() if n}
+    n, b = sum(r["parameters"] for r in rows.values()), sum(r["bytes"] for r in rows.values())
+    rows["total"] = {"parameters": n, "bytes": b, "bits_per_weight": 8 * b / n if n else 0.0}
+    return rows
+
+
 def kv_memory_table(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """KV-cache bytes ``(per token, at full context)`` at each dtype.
 

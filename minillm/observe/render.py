@@ -248,6 +248,9 @@ class Renderer:
         for dtype, weight_bytes in m["weight_bytes"].items():
             per_token, full = m["kv_bytes"][dtype]
             table.add_row(dtype, format_bytes(weight_bytes), format_bytes(per_token), format_bytes(full))
+        for fmt, row in m.get("weights_held", {}).items():  # what this model holds, at real block sizes
+            label = f"held {fmt}" if fmt != "total" else "held, total"
+            table.add_row(label, format_bytes(row["bytes"]), f"{row['bits_per_weight']:.2f} bits/weight", "")
         return table
 
     def _diagnosis(self, d: dict) -> None:

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from minillm.errors import AdapterError, InvalidRequestError
 from minillm.model.config import ModelConfig
+from minillm.model.gguf_weights import load_gguf_weights
 from minillm.model.kv_cache import KVCache
 from minillm.model.lora import LoraAdapter, activate, load_adapter, merge
 from minillm.model.transformer import Transformer
-from minillm.model.weights import load_weights
-from minillm.sources.hub import ResolvedModel, resolve_model
+from minillm.model.weights import hold_weights, load_weights
+from minillm.sources.hub import ResolvedModel, resolve_gguf, resolve_model
 from minillm.text.tokenizer import Tokenizer
 
 WARMUP_PROMPT = "Hello, world! The warm-up request."
@@ -90,6 +91,7 @@ def load(
     adapters: list[str | os.PathLike] | None = None,
     merge_adapters: bool = True,
     threads: int | None = None,
+    weight_dtype: str = "float32",
 ) -> Model:
     """Load a model by manifest name (fetched and cached on first use) or from a local folder.
 
@@ -107,9 +109,19 @@ def load(
             with, set through threadpoolctl for the whole process. None: leave the BLAS default
             (every core). When another busy process shares the cores, 1 can be much faster: a
             BLAS thread that loses its core stalls every multiply waiting for it (README, "Speed").
+        weight_dtype: how the weight matrices are held in memory (``model/held.py``); norms and
+            biases stay float32 in every mode, and the math runs in float32 either way:
+            ``"float32"`` (4 bytes a weight); ``"bfloat16"`` (2 bytes, rounded to nearest even);
+            ``"int8"`` (1 byte + a float32 scale per row, symmetric per output channel, quantized
+            at load); ``"gguf"`` (the model's GGUF file read directly, its blocks kept packed:
+            SmolLM2 Q4_1 at 5 bits a weight; ``sources.hub.resolve_gguf`` finds or fetches it).
+            With LoRA adapters: merged ones are folded into the float32 weights first and then
+            held at ``weight_dtype``; ``"gguf"`` refuses merging (packed blocks cannot absorb a
+            delta) and runs unmerged adapters beside the packed matrices.
 
     Raises:
-        InvalidRequestError: ``threads`` is not a whole number >= 1.
+        InvalidRequestError: ``threads`` is not a whole number >= 1; an unknown ``weight_dtype``;
+            ``weight_dtype="gguf"`` with adapters to merge.
         ModelNotFoundError, DownloadError, ChecksumMismatchError: while resolving the model.
         ConfigError, WeightsError, TokenizerError: while reading the folder.
         AdapterError: an adapter is missing files, unsupported, or does not fit the model.
@@ -117,13 +129,22 @@ def load(
     from minillm.sources.manifest import default_model_name
 
     set_blas_threads(threads)
+    check_weight_dtype(weight_dtype, adapters=bool(adapters), merge_adapters=merge_adapters)
     t0 = time.perf_counter()
-    resolved = resolve_model(name_or_path if name_or_path is not None else default_model_name(), progress=progress)
+    name = name_or_path if name_or_path is not None else default_model_name()
+    resolved = resolve_model(name, progress=progress)
     t1 = time.perf_counter()
     config = ModelConfig.from_folder(resolved.path)
-    weights = load_weights(resolved.path, config)
+    if weight_dtype == "gguf":
+        weights = load_gguf_weights(resolve_gguf(name, progress=progress), config)
+    else:
+        weights = load_weights(resolved.path, config)
     t2 = time.perf_counter()
     loaded = _load_adapters(adapters or [], merge_adapters, config, weights, resolved)
+    if weight_dtype in ("bfloat16", "int8"):  # after merging: adapters fold into float32 rows first
+        t = time.perf_counter()
+        hold_weights(weights, weight_dtype)
+        weights.seconds["hold " + weight_dtype] = time.perf_counter() - t
     ta = time.perf_counter()
     tokenizer = Tokenizer.from_folder(resolved.path)
     t3 = time.perf_counter()
@@ -152,6 +173,26 @@ def load(
     if warmup:
         run_warmup(model, tracer=tracer)
     return model
+
+
+WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "gguf")
+
+
+def check_weight_dtype(weight_dtype: str, *, adapters: bool = False, merge_adapters: bool = True) -> None:
+    """Refuse an unknown ``weight_dtype``, or merging adapters into packed GGUF blocks.
+
+    Raises:
+        InvalidRequestError: naming the value and the choices, or the fix for the LoRA case.
+    """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise InvalidRequestError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}; got {weight_dtype!r}.")
+    if weight_dtype == "gguf" and adapters and merge_adapters:
+        raise InvalidRequestError(
+            "weight_dtype='gguf' keeps the GGUF's blocks packed, and a LoRA delta cannot be merged into "
+            "packed blocks without requantizing them; pass merge_adapters=False (the adapter runs beside "
+            "the packed matrices), or weight_dtype='float32' | 'bfloat16' | 'int8' (merged into float32 "
+            "rows, then held at that precision)."
+        )
 
 
 def _load_adapters(paths, merge_them: bool, config: ModelConfig, weights, resolved: ResolvedModel) -> list[LoraAdapter]:

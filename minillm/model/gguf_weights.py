@@ -1,0 +1,115 @@
+"""Weights straight from a GGUF file, its blocks kept packed (``load(..., weight_dtype="gguf")``).
+
+The float32 folder minillm converts a GGUF into holds 4 bytes a weight; the GGUF itself holds
+what its blocks take (Q4_1: 5 bits a weight). Here each matrix stays as the file stores it, a
+:class:`~minillm.model.held.BlockMatrix`, and ``quant.py`` turns its rows into float32 right
+before each product: the same numbers as the converted folder, in a quarter of the memory or less.
+
+What stays float32: the norms (GGUF stores them as F32; Gemma's ``1 + w`` handled as at import).
+What stays packed: every projection, the embedding (SmolLM2: Q8_0; Gemma 3: Q8_0) and an untied
+LM head. q|k|v and gate|up are stacked without repacking, since a GGUF may give each its own type.
+llama.cpp's permutation of the llama family's q/k rows is undone on whole packed rows
+(``sources.gguf_import.read_packed_tensors``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from minillm.errors import WeightsError
+from minillm.model.config import ModelConfig
+from minillm.model.families import NAME_MAPS, MlpKind, NormKind, PositionKind
+from minillm.model.held import BlockMatrix, StackedMatrix
+from minillm.model.weights import LayerWeights, Weights
+from minillm.sources.gguf_import import read_packed_tensors
+
+
+def load_gguf_weights(gguf_path: str | os.PathLike, config: ModelConfig) -> Weights:
+    """Read a GGUF's tensors into :class:`Weights` with every matrix a packed :class:`BlockMatrix`.
+
+    ``config`` is the model's (from the folder converted from this GGUF). Returns Weights with
+    ``weight_dtype="gguf"``; ``stored_dtypes``/``stored_bytes`` count parameters and bytes per GGUF type.
+
+    Raises:
+        WeightsError: a tensor missing or of the wrong shape, a block type minillm cannot dequantize
+            (naming the tensor and its type), or a model with biases or learned positions (no GGUF
+            architecture minillm reads has them).
+        GGUFError: not a GGUF file, or an architecture minillm does not read.
+    """
+    path = Path(gguf_path)
+    if config.qkv_bias or config.o_bias or config.mlp_bias or config.position_embedding is PositionKind.LEARNED:
+        raise WeightsError(f"{path.name}: weight_dtype='gguf' reads llama and gemma3 GGUFs (no biases)")
+    t0 = time.perf_counter()
+    tensors, _ = read_packed_tensors(path)
+    t1 = time.perf_counter()
+    names = NAME_MAPS[config.family]
+    counts: Counter = Counter()
+    nbytes: Counter = Counter()
+    used: set[str] = set()
+
+    def get(key: str, shape: tuple[int, ...], i: int | None = None):
+        name = names[key].format(i=i)
+        if name not in tensors:
+            raise WeightsError(f"tensor {name!r} is missing from {path.name}; the GGUF does not match config.json")
+        t = tensors[name]
+        if t.shape != shape:
+            raise WeightsError(f"tensor {t.name!r} in {path.name} has shape {t.shape}, expected {shape}")
+        used.add(name)
+        counts[t.type_name] += int(np.prod(shape))
+        nbytes[t.type_name] += t.data.nbytes
+        return t
+
+    def matrix(key: str, rows: int, cols: int, i: int | None = None) -> BlockMatrix:
+        t = get(key, (rows, cols), i)
+        return BlockMatrix(t.data, t.type_name, cols, t.name)
+
+    def norm(key: str, dim: int, i: int | None = None) -> np.ndarray:
+        w = get(key, (dim,), i).to_float32()  # what the converted folder holds (Gemma: w, not 1 + w)
+        if config.norm_weight_offset:  # then as weights.load_weights: 1 + w, in float32
+            w = w + np.float32(config.norm_weight_offset)
+        return w
+
+    if config.norm is not NormKind.RMSNORM:
+        raise WeightsError(f"{path.name}: weight_dtype='gguf' expects RMSNorm models")
+    d, ffn, vocab, hd = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
+    q_dim, kv_dim = config.q_dim, config.kv_dim
+    embed = matrix("embed_tokens", vocab, d)
+    layers = []
+    for i in range(config.num_hidden_layers):
+        qkv = StackedMatrix([matrix("q", q_dim, d, i), matrix("k", kv_dim, d, i), matrix("v", kv_dim, d, i)])
+        gated = config.mlp is MlpKind.GATED
+        layers.append(
+            LayerWeights(
+                attn_norm=norm("attn_norm", d, i),
+                w_qkv=qkv,
+                q_norm=norm("q_norm", hd, i) if config.qk_norm else None,
+                k_norm=norm("k_norm", hd, i) if config.qk_norm else None,
+                w_o=matrix("o", d, q_dim, i),
+                attn_post_norm=norm("attn_post_norm", d, i) if config.post_norms else None,
+                mlp_norm=norm("mlp_norm", d, i),
+                w_gate_up=StackedMatrix([matrix("gate", ffn, d, i), matrix("up", ffn, d, i)]) if gated else None,
+                w_up=None if gated else matrix("up", ffn, d, i),
+                w_down=matrix("down", d, ffn, i),
+                mlp_post_norm=norm("mlp_post_norm", d, i) if config.post_norms else None,
+            )
+        )
+    tied = config.tie_word_embeddings or names["lm_head"] not in tensors
+    lm_head = embed if tied else matrix("lm_head", vocab, d)
+    final_norm = norm("final_norm", d)
+    return Weights(
+        embed_tokens=embed,
+        layers=layers,
+        final_norm=final_norm,
+        lm_head=lm_head,
+        stored_dtypes=counts,
+        stored_bytes=nbytes,
+        unused_tensors=sorted(set(tensors) - used),
+        files=[path],
+        seconds={"read": t1 - t0, "convert": time.perf_counter() - t1},
+        weight_dtype="gguf",
+    )
