@@ -35,6 +35,12 @@ def add_commands(sub) -> None:
         help="per-request deadline from arrival (queue wait included); the request then ends "
         "with finish_reason 'length' and minillm_stop_reason 'timed out'",
     )
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the name clients pass as `model` (default: MODEL as given), e.g. a short name for a local folder",
+    )
     s.add_argument("--max-seq-len", type=int, default=None, metavar="N", help="cap on each request's KV cache")
     s.add_argument("--threads", type=int, default=None, metavar="N", help="BLAS threads (default: all cores)")
     s.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")

@@ -45,9 +45,10 @@ def run_server(args: argparse.Namespace) -> int:
         startup_delay_s=args.startup_delay,
         keep_traces=args.keep_traces,
     )
-    app = create_app(worker, args.model)
+    served = args.served_model_name or args.model
+    app = create_app(worker, served)
     console.print(
-        f"minillm serve: {args.model} on http://{args.host}:{args.port} (loading in the background; "
+        f"minillm serve: {served} on http://{args.host}:{args.port} (loading in the background; "
         "GET /health answers 200 when ready)"
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
