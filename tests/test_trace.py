@@ -56,11 +56,20 @@ def test_memory_numbers_equal_the_formulas(traced):
     summary = tracer.events[-1].data
     params = summary["parameters"]
     assert params == 134_515_008 == model.transformer.weights.num_parameters
-    assert summary["weight_bytes"] == {"float32": params * 4, "bfloat16/float16": params * 2,
-                                       "int8": params, "int4": params // 2}
+    # Bits per weight from gguf's own block table (GGML_QUANT_SIZES), scales included: Q4_1 stores
+    # 32 weights in 20 bytes (5.0 bits), Q8_0 in 34 (8.5), Q4_K 256 in 144 (4.5).
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+    bits = {name: 8 * GGML_QUANT_SIZES[kind][1] / GGML_QUANT_SIZES[kind][0] for name, kind in
+            {"float32": Q.F32, "bfloat16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_1": Q.Q4_1, "Q4_K": Q.Q4_K}.items()}
+    assert bits["Q4_1"] == 5.0 and bits["Q8_0"] == 8.5 and bits["Q4_K"] == 4.5
+    assert summary["weight_bytes"] == {name: round(params * b / 8) for name, b in bits.items()}
     per_token_f32 = 2 * 30 * 3 * 64 * 4
     assert summary["kv_bytes"]["float32"] == (per_token_f32, per_token_f32 * 8192)
-    assert summary["kv_bytes"]["int8"] == (per_token_f32 // 4, per_token_f32 // 4 * 8192)
+    # int8: one byte a value plus a float32 scale per position and kv head, as KVCache(dtype="int8") holds it
+    per_token_int8 = 2 * 30 * 3 * (64 * 1 + 4)
+    assert summary["kv_bytes"]["int8+scale"] == (per_token_int8, per_token_int8 * 8192)
+    assert minillm.KVCache.for_model(model.config, max_seq_len=4, dtype="int8").bytes_per_token == per_token_int8
     assert summary["kv_bytes_per_token"] == per_token_f32
     # Every position written but the last token's: prompt 5 + 6 new - 1.
     assert summary["kv_bytes_used"] == (5 + 6 - 1) * per_token_f32

@@ -106,9 +106,11 @@ class ModelConfig:
         """``LayerType.FULL`` or ``LayerType.SLIDING`` for layer ``i``."""
         return self.layer_types[i] if self.layer_types else FULL
 
-    def kv_bytes_per_token(self, bytes_per_element: float = 4) -> int:
+    def kv_bytes_per_token(self, bytes_per_element: float = 4, scale_bytes: int = 0) -> int:
         """KV-cache bytes one position costs in this model (see :func:`kv_bytes_per_token`)."""
-        return kv_bytes_per_token(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, bytes_per_element)
+        return kv_bytes_per_token(
+            self.num_hidden_layers, self.num_key_value_heads, self.head_dim, bytes_per_element, scale_bytes
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -230,10 +232,14 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(file))
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float) -> int:
-    """Bytes one position costs in a KV cache: ``2 (k and v) * layers * kv_heads * head_dim * bytes``.
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float, scale_bytes: int = 0
+) -> int:
+    """Bytes one position costs in a KV cache: ``2 (k and v) * layers * kv_heads * (head_dim * bytes +
+    scale_bytes)``; ``scale_bytes`` is what a quantized cache stores per position and head beside
+    its values (int8: one float32 scale, 4 bytes).
 
     Grouped-query attention (few kv heads) is what keeps it small: SmolLM2 stores 3 kv heads for
     its 9 query heads.
     """
-    return int(2 * num_layers * num_kv_heads * head_dim * bytes_per_element)
+    return int(2 * num_layers * num_kv_heads * (head_dim * bytes_per_element + scale_bytes))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from minillm.errors import InvalidRequestError, KVCacheFullError, KVCacheMismatchError
-from minillm.model.config import ModelConfig
+from minillm.model.config import ModelConfig, kv_bytes_per_token
 
 #: KVCache dtype -> the NumPy dtype its entries are stored in (int8 adds float32 scales).
 KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
@@ -82,7 +82,7 @@ class KVCache:
         """Bytes one position occupies across all layers, k and v: ``2 * L * kv_heads * head_dim * 4``
         (float32); ``* 2`` (float16); ``2 * L * kv_heads * (head_dim + 4)`` (int8 + float32 scales)."""
         scale_bytes = self.key_scales.itemsize if self.dtype == "int8" else 0
-        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * self.keys.itemsize + scale_bytes)
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.keys.itemsize, scale_bytes)
 
     @property
     def nbytes(self) -> int:

@@ -16,10 +16,28 @@ import os
 import resource
 import time
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from minillm.model.config import ModelConfig
 
 #: bytes per parameter (or cache element) for the memory table of the next lesson.
-DTYPE_BYTES = {"float32": 4.0, "bfloat16/float16": 2.0, "int8": 1.0, "int4": 0.5}
+#: weight formats for the "what would it take" table, with gguf's own block sizes (GGML_QUANT_SIZES):
+#: a block of B weights takes S bytes, so bits per weight = 8 S / B (Q4_1: 20 bytes per 32 = 5.0)
+WEIGHT_FORMATS = {
+    "float32": GGMLQuantizationType.F32,
+    "bfloat16": GGMLQuantizationType.BF16,
+    "Q8_0": GGMLQuantizationType.Q8_0,  # int8 values, one float16 scale per 32
+    "Q4_1": GGMLQuantizationType.Q4_1,  # 4-bit values, a float16 scale and minimum per 32
+    "Q4_K": GGMLQuantizationType.Q4_K,  # 4-bit values in super-blocks of 256, 6-bit sub-block scales
+}
+#: KV-cache dtypes minillm holds: (bytes per value, bytes stored beside each position and head)
+KV_DTYPES = {"float32": (4, 0), "float16": (2, 0), "int8+scale": (1, 4)}  # int8: a float32 scale per head
+
+
+def bits_per_weight(kind: GGMLQuantizationType) -> float:
+    """Bits a weight takes in a block format, scales included: ``8 * block bytes / block size``."""
+    block_size, block_bytes = GGML_QUANT_SIZES[kind]
+    return 8 * block_bytes / block_size
 
 
 def cpu_snapshot() -> tuple[float, float, float]:
@@ -55,8 +73,9 @@ def others_cpu_share(
 
 
 def weight_memory_table(num_parameters: int) -> dict[str, int]:
-    """Bytes the weights take at each dtype: ``parameters * bytes per parameter``."""
-    return {name: int(num_parameters * b) for name, b in DTYPE_BYTES.items()}
+    """Bytes ``num_parameters`` weights would take in each of :data:`WEIGHT_FORMATS`, at the format's
+    real bits per weight (:func:`bits_per_weight`; the scales stored with the blocks included)."""
+    return {name: round(num_parameters * bits_per_weight(kind) / 8) for name, kind in WEIGHT_FORMATS.items()}
 
 
 def held_weight_table(formats: dict[str, tuple[int, int]]) -> dict[str, dict[str, float]]:
@@ -69,14 +88,11 @@ def held_weight_table(formats: dict[str, tuple[int, int]]) -> dict[str, dict[str
 
 
 def kv_memory_table(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """KV-cache bytes ``(per token, at full context)`` at each dtype.
-
-    per token = ``2 * layers * kv_heads * head_dim * bytes``; full context multiplies by
-    ``max_position_embeddings``.
-    """
+    """KV-cache bytes ``(per token, at full context)`` in each of :data:`KV_DTYPES`, from the layout
+    ``KVCache`` uses (``config.kv_bytes_per_token``); full context multiplies by ``max_position_embeddings``."""
     table = {}
-    for name, b in DTYPE_BYTES.items():
-        per_token = config.kv_bytes_per_token(b)
+    for name, (value_bytes, scale_bytes) in KV_DTYPES.items():
+        per_token = config.kv_bytes_per_token(value_bytes, scale_bytes)
         table[name] = (per_token, per_token * config.max_position_embeddings)
     return table
 

@@ -232,25 +232,41 @@ class Renderer:
         c.print(table)
         if "weight_bytes" in m:
             c.print(self._memory_table(m))
+        if m.get("weights_held"):
+            c.print(self._held_table(m["weights_held"]))
         if "diagnosis" in m:
             self._diagnosis(m["diagnosis"])
 
     @staticmethod
     def _memory_table(m: dict) -> Table:
+        """What the weights would take in each format (real block sizes), and the KV cache per dtype."""
         table = Table(
             title=f"memory: {m['parameters']:,} parameters, context {m['context']:,}",
             title_justify="left",
             box=None,
             padding=(0, 2),
         )
-        for col in ("dtype", "weights", "KV / token", "KV at full context"):
-            table.add_column(col, justify="right" if col != "dtype" else "left")
-        for dtype, weight_bytes in m["weight_bytes"].items():
-            per_token, full = m["kv_bytes"][dtype]
-            table.add_row(dtype, format_bytes(weight_bytes), format_bytes(per_token), format_bytes(full))
-        for fmt, row in m.get("weights_held", {}).items():  # what this model holds, at real block sizes
-            label = f"held {fmt}" if fmt != "total" else "held, total"
-            table.add_row(label, format_bytes(row["bytes"]), f"{row['bits_per_weight']:.2f} bits/weight", "")
+        for col in ("weights as", "bits", "bytes", "KV as", "per token", "full context"):
+            table.add_column(col, justify="left" if col in ("weights as", "KV as") else "right")
+        params, weights, kv = m["parameters"], list(m["weight_bytes"].items()), list(m["kv_bytes"].items())
+        for i in range(max(len(weights), len(kv))):
+            w = ("", "", "")
+            if i < len(weights):
+                name, nbytes = weights[i]
+                w = (name, f"{8 * nbytes / params:.2f}", format_bytes(nbytes))
+            k = (kv[i][0], format_bytes(kv[i][1][0]), format_bytes(kv[i][1][1])) if i < len(kv) else ("", "", "")
+            table.add_row(*w, *k)
+        return table
+
+    @staticmethod
+    def _held_table(held: dict) -> Table:
+        """The formats this model's weights are actually held in, at their real block sizes."""
+        table = Table(title="weights as held by this model", title_justify="left", box=None, padding=(0, 2))
+        for col in ("format", "weights", "bits / weight"):
+            table.add_column(col, justify="right" if col != "format" else "left")
+        rows = [(f, r) for f, r in held.items() if f != "total" or len(held) > 2]  # a total only for a mix
+        for fmt, row in rows:
+            table.add_row(fmt, format_bytes(row["bytes"]), f"{row['bits_per_weight']:.2f}")
         return table
 
     def _diagnosis(self, d: dict) -> None:
