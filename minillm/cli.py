@@ -2,7 +2,10 @@
 
     minillm run "The capital of France is"          # completion, traced
     minillm chat "What is the capital of France?"   # through the chat template
+    minillm chat --file examples/incident.txt "Summarize this incident report in two bullets."
+    cat report.txt | minillm chat --file - "Summarize this."   # the attachment from stdin
     minillm models                                  # the manifest
+    minillm calibrate                               # measure this machine again (the diagnosis's rates)
 
 Errors minillm raises on purpose (``MiniLLMError``) print as one clear message, no traceback
 (``--debug`` shows it), and exit with status 2.
@@ -115,6 +118,13 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-warmup", action="store_true", help="skip the warm-up request (the first request then pays one-time costs)"
     )
+    p.add_argument(
+        "--file",
+        "-f",
+        default=None,
+        metavar="PATH",
+        help="attach a text file (UTF-8; '-' reads stdin): its text follows the prompt in the user message",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -139,7 +149,74 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="an optional system message")
     models = sub.add_parser("models", help="list the models in weights_manifest.toml")
     models.add_argument("--debug", action="store_true")
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure this machine's rates (bandwidth, GEMM, disk) again; the diagnosis compares each phase with them",
+    )
+    cal.add_argument("--threads", type=int, default=None, metavar="N", help="BLAS threads to measure with")
+    cal.add_argument("--debug", action="store_true")
     return parser
+
+
+def _cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
+    from minillm.observe import calibrate
+    from minillm.runtime.loading import set_blas_threads
+
+    set_blas_threads(args.threads)
+    console.print("measuring this machine (a few seconds) ...")
+    machine = calibrate.machine(remeasure=True)
+    table = Table(title="this machine's rates", title_justify="left", show_header=False, box=None, padding=(0, 2))
+    table.add_column(style="cyan")
+    table.add_column(justify="right")
+    for row in machine.rows():
+        table.add_row(*row)
+    console.print(table)
+    console.print(
+        f"cached in {calibrate.calibration_file()} for this machine ({machine.fingerprint['cpu']}, "
+        f"{machine.fingerprint['cores']} cores, {machine.fingerprint['blas_threads']} BLAS threads)"
+    )
+    share = machine.others_cpu_share
+    if share == share and share > 0.25:
+        console.print(
+            f"[yellow]note[/]: other processes used {share:.0%} of the cores while measuring; the rates are "
+            "low, so expectations are lenient. Run `minillm calibrate` again on a quieter machine."
+        )
+    return 0
+
+
+def read_attachment(path: str) -> tuple[str, str]:
+    """``(name, text)`` of ``--file PATH`` (``-``: stdin), UTF-8.
+
+    Raises:
+        InvalidRequestError: a missing or unreadable file, not UTF-8 text, or an empty one.
+    """
+    from pathlib import Path
+
+    from minillm.errors import InvalidRequestError
+
+    try:
+        if path == "-":
+            name, text = "stdin", sys.stdin.buffer.read().decode("utf-8")
+        else:
+            name, text = Path(path).name, Path(path).expanduser().read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise InvalidRequestError(f"--file {path}: no such file; check the path.") from None
+    except IsADirectoryError:
+        raise InvalidRequestError(f"--file {path} is a folder; give a text file.") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(
+            f"--file {path} is not UTF-8 text (byte {exc.start}); attach a text file, or convert it to UTF-8."
+        ) from None
+    except OSError as exc:
+        raise InvalidRequestError(f"--file {path}: cannot read it ({exc.strerror}).") from None
+    if not text.strip():
+        raise InvalidRequestError(f"--file {path} is empty; attach a file with some text.")
+    return name, text
+
+
+def with_attachment(prompt: str, text: str) -> str:
+    """The user message: the instruction, a blank line, then the attached text (as chat UIs paste it)."""
+    return f"{prompt}\n\n{text.strip()}"
 
 
 def _cmd_models(console: Console) -> int:
@@ -198,6 +275,7 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
         seed=args.seed,
     )
 
+    attachment = read_attachment(args.file) if args.file else None
     tracer = Tracer(console if args.trace == "rich" else None, verbosity=args.verbosity)
     model = minillm.load(
         args.model,
@@ -207,11 +285,24 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
         merge_adapters=args.adapter_mode == "merged",
         threads=args.threads,
     )
+    user_text = args.prompt
+    if attachment is not None:
+        name, text = attachment
+        user_text = with_attachment(args.prompt, text)
+        n = len(model.tokenizer.encode(text.strip(), add_special_tokens=False))
+        tracer.emit("attach", tracer.now(), 0.0, name=name, chars=len(text), tokens=n)
     if args.command == "chat":
+        if not model.tokenizer.chat_template:
+            from minillm.errors import ChatTemplateError
+
+            raise ChatTemplateError(
+                f"{model.name} has no chat template (a base model: it continues text, it does not answer "
+                f'messages); use `minillm run -m {args.model or model.name} "..."` to complete a prompt instead.'
+            )
         messages = [{"role": "system", "content": args.system}] if args.system else []
-        prompt: str | list = messages + [{"role": "user", "content": args.prompt}]
+        prompt: str | list = messages + [{"role": "user", "content": user_text}]
     else:
-        prompt = args.prompt
+        prompt = user_text
     # Ctrl-C sets the cancel event; the request checks it between steps and ends cleanly.
     cancel = threading.Event()
 
@@ -254,7 +345,8 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
             f.write(tracer.to_jsonl())
     if result.stop_reason is StopReason.CANCELLED:
         Console(stderr=True).print(
-            f"[yellow]cancelled[/] by Ctrl-C after {len(result.ids)} new tokens; the partial output is above"
+            f"[yellow]cancelled[/] by Ctrl-C after {len(result.ids)} new token{'' if len(result.ids) == 1 else 's'}; "
+            "the partial output is above"
         )
         return 130
     return 0
@@ -271,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "models":
             return _cmd_models(console)
+        if args.command == "calibrate":
+            return _cmd_calibrate(args, console)
         return _cmd_request(args, console)
     except MiniLLMError as exc:
         if args.debug:

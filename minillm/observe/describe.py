@@ -15,6 +15,7 @@ import numpy as np
 
 from minillm.model.config import ModelConfig
 from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
+from minillm.observe import calibrate
 from minillm.observe.diagnosis import diagnose
 from minillm.observe.metrics import blas_summary, blas_threads, kv_memory_table, weight_memory_table
 from minillm.runtime.sampling import top_candidates
@@ -111,7 +112,7 @@ def describe_stop(
             f"stop-token sequence {condition} appeared in the new ids; its text is {'kept' if include else 'not shown'}"
         )
     if reason is StopReason.CANCELLED:
-        return f"cancelled ({condition}) after {n_new} new token{'' if n_new == 1 else 's'}"
+        return f"cancelled after {n_new} new token{'' if n_new == 1 else 's'}: {condition}"
     if reason is StopReason.TIMEOUT:
         return (
             f"deadline of {condition} s passed after {elapsed_s:.3f} s and {n_new} new token{'' if n_new == 1 else 's'}"
@@ -237,11 +238,51 @@ def stop(model, reason: StopReason, condition, text: str, **numbers) -> dict[str
     )
 
 
+def expectations(model, metrics) -> tuple[dict[str, float], dict[str, Any]]:
+    """What this request's phases should take on this machine (``calibrate.py``; the machine is
+    measured once, a few seconds, then read from the cache), and a note on the calibration."""
+    machine, measured_now = calibrate.machine_cached()
+    sizes = calibrate.model_sizes(model)
+    steps = len(metrics.decode_step_s)
+    context = metrics.prompt_tokens + (steps + 1) / 2  # mean positions a decode step reads
+    expected = {
+        "loading": calibrate.expected_load_s(model, machine),
+        "prefill": calibrate.expected_prefill_s(sizes, machine, metrics.prompt_tokens),
+        "decode": calibrate.expected_tpot_s(sizes, machine, context),
+    }
+    note = {
+        "measured_now": measured_now,
+        "seconds": machine.seconds,
+        "file": str(calibrate.calibration_file()),
+        "others_cpu_share": machine.others_cpu_share,
+        "bandwidth_gb_s": machine.bandwidth_b_s / 1e9,
+        "gemm_gflop_s": machine.gemm_flop_s / 1e9,
+    }
+    return expected, note
+
+
+def local_load_s(model) -> float:
+    """Seconds of loading from local files: downloads, checks and conversions (first use) left out."""
+    fetch = {k for k in model.resolved.seconds if k not in ("total", "resolve")} if model.resolved else set()
+    return sum(v for k, v in model.load_seconds.items() if k not in fetch)
+
+
 def summary(model, metrics, text: str, first_request: bool, others_cpu_share: float) -> dict[str, Any]:
-    """TTFT, TPOT, tokens/s, KV bytes, the memory tables, and the diagnosis of what dominated."""
+    """TTFT, TPOT, tokens/s, KV bytes, the memory tables, and the diagnosis: each phase measured
+    against what it should take on this machine."""
+    expected, calibration = expectations(model, metrics)
+    history = list(model.history) + [
+        {
+            "prompt_tokens": metrics.prompt_tokens,
+            "prefill_s_per_token": metrics.ttft_s / max(metrics.prompt_tokens, 1),
+            "tpot_s": metrics.tpot_s,
+        }
+    ]
     diagnosis = diagnose(
         metrics,
-        load_s=model.load_s,
+        expected=expected,
+        history=history,
+        load_s=local_load_s(model),
         warmup_s=model.warmup_s,
         first_request=first_request,
         text=text,
@@ -260,9 +301,12 @@ def summary(model, metrics, text: str, first_request: bool, others_cpu_share: fl
         weight_bytes=weight_memory_table(params),
         kv_bytes=kv_memory_table(model.config),
         context=model.config.max_position_embeddings,
+        calibration=calibration,
         diagnosis={
             "dominant": diagnosis.dominant,
             "phase_seconds": diagnosis.phase_seconds,
+            "checks": [[c.phase, c.measured_s, c.expected_s, c.ratio] for c in diagnosis.checks],
+            "threshold": diagnosis.threshold,
             "findings": diagnosis.findings,
         },
     )

@@ -38,6 +38,9 @@ class Model:
     load_seconds: dict[str, float] = field(default_factory=dict)  # per step, seconds
     warmup_s: float | None = None  # seconds the warm-up took; None while none has run
     requests_served: int = 0  # real requests since load (the warm-up is not counted)
+    # Per-token rates of every request served, oldest first: {"prompt_tokens", "prefill_s_per_token",
+    # "tpot_s"} (seconds). The diagnosis compares the first request with the later ones.
+    history: list[dict] = field(default_factory=list)
     adapters: list[LoraAdapter] = field(default_factory=list)  # LoRA adapters loaded with the model
     threads: int | None = None  # BLAS threads asked for at load; None: the BLAS default (all cores)
 
@@ -90,6 +93,7 @@ def load(
     adapters: list[str | os.PathLike] | None = None,
     merge_adapters: bool = True,
     threads: int | None = None,
+    mmap: bool = False,
 ) -> Model:
     """Load a model by manifest name (fetched and cached on first use) or from a local folder.
 
@@ -107,9 +111,15 @@ def load(
             with, set through threadpoolctl for the whole process. None: leave the BLAS default
             (every core). When another busy process shares the cores, 1 can be much faster: a
             BLAS thread that loses its core stalls every multiply waiting for it (README, "Speed").
+        mmap: leave the weights memory-mapped, as the safetensors file lays them out (llama.cpp's
+            default): loading reads only the headers, and the first forward pass pages every
+            weight in from the page cache or the disk. That cost lands on the first request unless
+            a warm-up pays it (lesson 8 measures both). Float32 files only.
 
     Raises:
-        InvalidRequestError: ``threads`` is not a whole number >= 1.
+        InvalidRequestError: ``threads`` is not a whole number >= 1; ``mmap=True`` with adapters
+            to merge (a read-only map cannot be written: pass ``merge_adapters=False``).
+        WeightsError: ``mmap=True`` on a file that is not float32 (it would need a converted copy).
         ModelNotFoundError, DownloadError, ChecksumMismatchError: while resolving the model.
         ConfigError, WeightsError, TokenizerError: while reading the folder.
         AdapterError: an adapter is missing files, unsupported, or does not fit the model.
@@ -117,11 +127,16 @@ def load(
     from minillm.sources.manifest import default_model_name
 
     set_blas_threads(threads)
+    if mmap and adapters and merge_adapters:
+        raise InvalidRequestError(
+            "mmap=True leaves the weights as read-only views of the file, so adapters cannot be merged "
+            "into them; pass merge_adapters=False (computed beside the weights) or load without mmap."
+        )
     t0 = time.perf_counter()
     resolved = resolve_model(name_or_path if name_or_path is not None else default_model_name(), progress=progress)
     t1 = time.perf_counter()
     config = ModelConfig.from_folder(resolved.path)
-    weights = load_weights(resolved.path, config)
+    weights = load_weights(resolved.path, config, mmap=mmap)
     t2 = time.perf_counter()
     loaded = _load_adapters(adapters or [], merge_adapters, config, weights, resolved)
     ta = time.perf_counter()

@@ -352,6 +352,14 @@ class Request:
             first_request=model.requests_served == 0,
         )
         model.requests_served += 1
+        m = self.metrics
+        model.history.append(
+            {
+                "prompt_tokens": m.prompt_tokens,
+                "prefill_s_per_token": m.ttft_s / max(m.prompt_tokens, 1),
+                "tpot_s": m.tpot_s,
+            }
+        )
         return GenerationResult(
             self.output.text, self.new_ids, self.prompt_ids.tolist(), reason, self.metrics, self.condition
         )
