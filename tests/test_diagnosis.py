@@ -68,7 +68,8 @@ def test_a_slow_first_token_on_a_cold_first_request_points_to_warmup():
     assert d.main[0] == "warm-up" and d.main[1].startswith("first request slow: no warm-up ran (0.5 s, 10.0x")
     # the same TTFT with a warm-up that ran: the prompt's prefill itself was slow
     d = diagnose(metrics(ttft=0.5), expected=EXPECTED, load_s=1.0, warmup_s=0.2, first_request=True)
-    assert d.main[0] == "prefill"
+    assert d.main[0] == "prefill" and d.main[1].startswith("slow first token for a short prompt: 8 tokens")
+    assert d.main[2].startswith("prefill: the prompt's length is not the cause")
 
 
 def test_first_request_slow_compares_with_the_later_requests_median():

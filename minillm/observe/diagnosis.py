@@ -70,6 +70,9 @@ TABLE = {
     ),
 }
 
+#: A prompt shorter than this is not "long input": a slow prefill then has another cause.
+LONG_PROMPT_TOKENS = 128
+
 #: Other processes keeping at least this many cores busy count as a neighbour (half a core).
 BUSY_CORES = 0.5
 
@@ -243,6 +246,15 @@ def diagnose(
         if first_request and warmup_s is None:  # one-time costs land on the first forward pass
             symptom, points_to = TABLE["warm-up"]
             findings.append(("warm-up", f"{symptom}: no warm-up ran" + because(slow["prefill"]), points_to))
+        elif metrics.prompt_tokens < LONG_PROMPT_TOKENS:  # the time already counts the length
+            findings.append(
+                (
+                    "prefill",
+                    f"slow first token for a short prompt: {metrics.prompt_tokens:,} tokens" + because(slow["prefill"]),
+                    "prefill: the prompt's length is not the cause; a busy machine (others' CPU above), "
+                    "BLAS threads, or one-time costs",
+                )
+            )
         else:
             symptom, points_to = TABLE["prefill"]
             findings.append(
