@@ -133,7 +133,9 @@ def test_slow_loading_is_diagnosed(monkeypatch, one_blas_thread):
     monkeypatch.setattr(minillm.runtime.loading, "load_weights", slow_load_weights)
     model = minillm.load("smollm2-135m-instruct", progress=False)
     d = _diagnosis(model, PROMPT, max_new_tokens=3)
-    assert d["dominant"] == "loading" and d["findings"][0][1] == "slow to become ready"
+    # expected from this machine's rates: well under 1.5 s (0.3-0.45 s measured), so 3 s more is > 2x
+    loading = [f for f in d["findings"] if f[0] == "loading"]
+    assert loading and loading[0][1].startswith("slow to become ready ("), d
     assert d["phase_seconds"]["loading"] > 3.0
 
 
@@ -150,14 +152,11 @@ def test_skipped_warmup_is_diagnosed(one_blas_thread):
 
     model.transformer.forward = cold_forward
     d = _diagnosis(model, PROMPT, max_new_tokens=3)
-    assert d["dominant"] == "warm-up" and d["findings"][0][1] == "first request slow"
+    warmup = [f for f in d["findings"] if f[0] == "warm-up"]  # a busy machine may add a slow load before it
+    assert warmup and warmup[0][1].startswith("first request slow: no warm-up ran ("), d
 
 
-def test_long_prompt_is_diagnosed_as_prefill(smollm2, one_blas_thread):
-    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)  # ~600 tokens
-    minillm.generate(smollm2, PROMPT, GREEDY, max_new_tokens=1)  # not the first request any more
-    d = _diagnosis(smollm2, long_prompt, max_new_tokens=2)
-    assert d["dominant"] == "prefill" and d["findings"][0][1] == "long input delays the first token"
+# SEE tests/test_diagnosis.py test_a_1500_token_prompt_gives_the_prefill_finding (a long prompt)
 
 
 def test_slow_decode_is_diagnosed(smollm2, monkeypatch, one_blas_thread):
@@ -171,7 +170,7 @@ def test_slow_decode_is_diagnosed(smollm2, monkeypatch, one_blas_thread):
     minillm.generate(smollm2, PROMPT, GREEDY, max_new_tokens=1)
     monkeypatch.setattr(smollm2.transformer, "forward", slow_decode)
     d = _diagnosis(smollm2, PROMPT, max_new_tokens=8)
-    assert d["dominant"] == "decode" and d["findings"][0][1] == "slow after the first token"
+    assert d["dominant"] == "decode" and d["findings"][0][1].startswith("slow after the first token: TPOT (")
 
 
 def test_others_cpu_share_from_two_snapshots():
