@@ -13,7 +13,8 @@ The rates, each the best of a few runs (the best is the closest to what the hard
   times the last-level cache of typical CPUs): a decode step is ``m = 1`` (a matrix-vector product,
   bandwidth bound), a short prompt's prefill a few rows;
 - ``gemm_flop_s``: float32 ``[1024, 1024] @ [1024, 1024]``, ``2 n^3`` FLOPs: a long prefill;
-- ``fresh_copy_b_s``: copying into freshly allocated memory (page faults + writes): loading;
+- ``fresh_copy_b_s``: copying into freshly allocated memory (page faults + writes): loading
+  (the median of a few runs: the kernel's cost of fresh pages varies);
 - ``disk_read_b_s``: reading a file just written and dropped from the page cache
   (``posix_fadvise(DONTNEED)``): a cold load;
 - ``tokenizer_b_s``: bytes per second ``tokenizers`` builds a BPE tokenizer from its JSON (a
@@ -32,6 +33,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -171,9 +173,16 @@ def _matmul_s_per_byte(rng: np.random.Generator, repeats: int) -> dict[str, floa
 
 
 def _fresh_copy_b_s(repeats: int) -> float:
-    src = np.ones(32 << 20, dtype=np.float32)  # 128 MiB
-    # a fresh allocation each time: its pages fault in, as when a load fills the weight block
-    return src.nbytes / _best(lambda: np.copyto(np.empty_like(src), src), repeats)
+    """Copy 256 MiB into a fresh allocation, as a load fills its weight block. The median, not the
+    best: the kernel's cost of finding fresh (huge) pages varies from run to run, and a load pays
+    the typical cost, not the luckiest."""
+    src = np.ones(64 << 20, dtype=np.float32)  # 256 MiB
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(np.empty_like(src), src)  # a fresh allocation each time: its pages fault in
+        times.append(time.perf_counter() - t)
+    return src.nbytes / statistics.median(times)
 
 
 def _tokenizer_b_s(repeats: int) -> float:
