@@ -123,7 +123,7 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
         "-f",
         default=None,
         metavar="PATH",
-        help="attach a text file (UTF-8; '-' reads stdin): its text follows the prompt in the user message",
+        help="attach a text file (UTF-8; '-' reads stdin): the user message is its text, a blank line, then the prompt",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
@@ -215,8 +215,9 @@ def read_attachment(path: str) -> tuple[str, str]:
 
 
 def with_attachment(prompt: str, text: str) -> str:
-    """The user message: the instruction, a blank line, then the attached text (as chat UIs paste it)."""
-    return f"{prompt}\n\n{text.strip()}"
+    """The user message: the attached text, a blank line, then the instruction. Instruction last:
+    SmolLM2-135M then summarizes; given the instruction first, it copied the document out."""
+    return f"{text.strip()}\n\n{prompt}"
 
 
 def _cmd_models(console: Console) -> int:

@@ -44,7 +44,7 @@ def test_chat_with_an_attached_report_puts_its_text_in_the_user_message(smollm2,
                    stdin=text if source == "stdin" else None)
     assert proc.returncode == 0, proc.stderr
     e = events(trace)
-    assert e["prepare"]["messages"] == [{"role": "user", "content": ASK + "\n\n" + text.strip()}]
+    assert e["prepare"]["messages"] == [{"role": "user", "content": text.strip() + "\n\n" + ASK}]
     assert text.strip() in e["prepare"]["text"]  # the rendered prompt, through the chat template
     assert e["prepare"]["text"].startswith("<|im_start|>system\n")  # SmolLM2's template adds its system turn
     reference = Tokenizer.from_file(str(smollm2.path / "tokenizer.json"))

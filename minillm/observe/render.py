@@ -122,7 +122,7 @@ class Renderer:
         d = e.data
         self.console.print(
             f"[bold]attached[/]: {escape(d['name'])}, {d['chars']:,} characters = {d['tokens']:,} tokens "
-            "(in the user message, after the prompt)"
+            "(in the user message, before the prompt)"
         )
 
     def _warmup(self, e: TraceEvent) -> None:
