@@ -273,12 +273,8 @@ class Renderer:
     def _diagnosis(self, d: dict, calibration: dict | None = None) -> None:
         c = self.console
         threshold = d.get("threshold", 2.0)
-        table = Table(
-            title=f"diagnosis: each phase against what this machine should take (slow above {threshold:g}x)",
-            title_justify="left",
-            box=None,
-            padding=(0, 2),
-        )
+        c.print(f"[bold]diagnosis[/]: each phase against what this machine should take (slow above {threshold:g}x)")
+        table = Table(box=None, padding=(0, 2))
         for col in ("phase", "measured", "expected", "ratio"):
             table.add_column(col, justify="left" if col == "phase" else "right")
         names = {"loading": "loading (local files)", "prefill": "TTFT (prefill)", "decode": "TPOT (decode)"}
