@@ -41,12 +41,27 @@ def test_a_healthy_request_has_no_finding_even_though_a_phase_dominates():
 def test_each_phase_is_a_finding_just_above_twice_its_expectation():
     d = diagnose(metrics(ttft=0.099, steps=(0.0319,) * 16), expected=EXPECTED)  # 1.98x, 1.99x
     assert d.healthy
-    d = diagnose(metrics(prompt_tokens=1500, ttft=0.101, steps=(0.0321,) * 16), expected=EXPECTED)  # 2.02x, 2.01x
+    d = diagnose(metrics(prompt_tokens=100, ttft=0.101, steps=(0.0321,) * 16), expected=EXPECTED)  # 2.02x, 2.01x
     assert [f[0] for f in d.findings] == ["prefill", "decode"]
-    assert d.findings[0][1] == ("long input delays the first token: 1,500 tokens "
+    assert d.findings[0][1] == ("slow first token for this prompt: 100 tokens "
                                 "(0.101 s, 2.0x the 0.05 s expected; threshold 2x)")
     assert d.findings[1][1].startswith("slow after the first token: TPOT (0.0321 s, 2.0x the 0.016 s expected")
-    assert d.findings[0][2] == TABLE["prefill"][1] and d.findings[1][2] == TABLE["decode"][1]
+    assert d.findings[1][2] == TABLE["decode"][1]
+
+
+def test_a_long_prompt_is_measured_against_a_one_token_prompt():
+    # 1,500 tokens: TTFT 3.0 s; it should take 2.5 s for this length (1.2x: prefill is not slow), but a
+    # one-token prompt's first token should come after 0.04 s: the prompt's length made it wait 75x
+    expected = {**EXPECTED, "prefill": 2.5, "prefill_one_token": 0.04}
+    d = diagnose(metrics(prompt_tokens=1500, ttft=3.0), expected=expected)
+    assert [f[0] for f in d.findings] == ["prefill"] and d.main[2] == TABLE["prefill"][1]
+    assert d.main[1] == ("long input delays the first token: 1,500 tokens (3 s, 75x a one-token prompt's 0.04 s; "
+                         "1.2x what this length should take here; threshold 2x)")
+    # a short prompt is never "long input"; 127 tokens is short, 128 is long
+    assert diagnose(metrics(prompt_tokens=127, ttft=0.5), expected={**expected, "prefill": 0.3}).healthy
+    assert diagnose(metrics(prompt_tokens=128, ttft=0.5), expected={**expected, "prefill": 0.3}).main[0] == "prefill"
+    # a long prompt whose first token came within 2x of a one-token prompt's: nothing to say
+    assert diagnose(metrics(prompt_tokens=200, ttft=0.07), expected={**expected, "prefill": 0.06}).healthy
 
 
 def test_without_an_expectation_nothing_is_judged():
@@ -68,8 +83,8 @@ def test_a_slow_first_token_on_a_cold_first_request_points_to_warmup():
     assert d.main[0] == "warm-up" and d.main[1].startswith("first request slow: no warm-up ran (0.5 s, 10.0x")
     # the same TTFT with a warm-up that ran: the prompt's prefill itself was slow
     d = diagnose(metrics(ttft=0.5), expected=EXPECTED, load_s=1.0, warmup_s=0.2, first_request=True)
-    assert d.main[0] == "prefill" and d.main[1].startswith("slow first token for a short prompt: 8 tokens")
-    assert d.main[2].startswith("prefill: the prompt's length is not the cause")
+    assert d.main[0] == "prefill" and d.main[1].startswith("slow first token for this prompt: 8 tokens")
+    assert d.main[2].startswith("prefill: slower than this machine manages for this length")
 
 
 def test_first_request_slow_compares_with_the_later_requests_median():
@@ -179,9 +194,9 @@ def test_default_cli_run_and_a_second_request_have_no_finding(smollm2, this_mach
 
 @pytest.mark.slow
 def test_a_1500_token_prompt_gives_the_prefill_finding(smollm2, this_machine):
-    """The expectation is the roofline (matrix products and attention FLOPs at the GEMM rate);
-    at 1,500 tokens the attention's [9, 1500, 1500] scores per layer (mask, softmax: elementwise
-    passes over 81 MB) cost more than twice that (measured here: 2.3x on a busy machine)."""
+    """The first token waited for 1,500 tokens of prefill: far more than 2x what a one-token
+    prompt's first token takes (measured here: 8.9 s against 0.08 s expected for one token, while
+    the expectation for 1,500 tokens was 8.4 s: prefill itself ran as fast as it should)."""
     prompt = " ".join(["the cat sat on the mat"] * 250)  # 1,500 words
     s = summary_of(smollm2, prompt, max_new_tokens=2)
     assert s["prompt_tokens"] >= 1500

@@ -170,7 +170,8 @@ def test_slow_decode_is_diagnosed(smollm2, monkeypatch, one_blas_thread):
     minillm.generate(smollm2, PROMPT, GREEDY, max_new_tokens=1)
     monkeypatch.setattr(smollm2.transformer, "forward", slow_decode)
     d = _diagnosis(smollm2, PROMPT, max_new_tokens=8)
-    assert d["dominant"] == "decode" and d["findings"][0][1].startswith("slow after the first token: TPOT (")
+    decode = [f for f in d["findings"] if f[0] == "decode"]  # a busy machine may add others beside it
+    assert d["dominant"] == "decode" and decode and decode[0][1].startswith("slow after the first token: TPOT ("), d
 
 
 def test_others_cpu_share_from_two_snapshots():

@@ -251,6 +251,7 @@ def expectations(model, metrics) -> tuple[dict[str, float], dict[str, Any]]:
     expected = {
         "loading": calibrate.expected_load_s(model, machine),
         "prefill": calibrate.expected_prefill_s(sizes, machine, metrics.prompt_tokens),
+        "prefill_one_token": calibrate.expected_prefill_s(sizes, machine, 1),
         "decode": calibrate.expected_tpot_s(sizes, machine, context),
     }
     note = {

@@ -10,7 +10,9 @@
 
 A phase is a finding only when it was *slow*: measured more than :data:`THRESHOLD` times what it
 should take on this machine (``calibrate.py`` computes that from the model's bytes and FLOPs and
-the machine's measured rates). The largest phase of a healthy request is not a symptom: a healthy
+the machine's measured rates). For the first token of a long prompt, the yardstick is a one-token
+prompt's: a wait more than 2x that is the prompt's length, even when prefill ran as fast as the
+machine allows. The largest phase of a healthy request is not a symptom: a healthy
 request gets no finding, and the table of measured vs expected says why. Two findings need no
 expectation: "first request slow" compares the first request's per-token rates with the median of
 the later ones on the same loaded model (``Model.history``), and "slow on a shared machine" reads
@@ -70,7 +72,7 @@ TABLE = {
     ),
 }
 
-#: A prompt shorter than this is not "long input": a slow prefill then has another cause.
+#: A prompt shorter than this is never "long input", however long its first token took.
 LONG_PROMPT_TOKENS = 128
 
 #: Other processes keeping at least this many cores busy count as a neighbour (half a core).
@@ -183,6 +185,9 @@ def diagnose(
         expected: seconds each phase should take on this machine (``calibrate.py``):
             ``"loading"`` (from local files), ``"prefill"`` (TTFT for this prompt), ``"decode"``
             (TPOT at this request's mean context). A phase without one is shown, never judged.
+            ``"prefill_one_token"``: the TTFT a one-token prompt should take; a prompt of at least
+            :data:`LONG_PROMPT_TOKENS` whose TTFT exceeds 2x that is "long input delays the first
+            token" (the wait is the prompt's length, even when prefill ran as fast as it should).
         load_s: seconds the model took to load (only a first request waited for it).
         warmup_s: seconds of the warm-up request; None when warm-up was skipped.
         first_request: True for the first request since load.
@@ -242,24 +247,35 @@ def diagnose(
         key = "loading (cached)" if load_source in ("cache", "local") else "loading"
         symptom, points_to = TABLE[key]
         findings.append(("loading", symptom + because(slow["loading"]), points_to))
-    if "prefill" in slow:
-        if first_request and warmup_s is None:  # one-time costs land on the first forward pass
-            symptom, points_to = TABLE["warm-up"]
-            findings.append(("warm-up", f"{symptom}: no warm-up ran" + because(slow["prefill"]), points_to))
-        elif metrics.prompt_tokens < LONG_PROMPT_TOKENS:  # the time already counts the length
-            findings.append(
-                (
-                    "prefill",
-                    f"slow first token for a short prompt: {metrics.prompt_tokens:,} tokens" + because(slow["prefill"]),
-                    "prefill: the prompt's length is not the cause; a busy machine (others' CPU above), "
-                    "BLAS threads, or one-time costs",
-                )
+    short_s = expected.get("prefill_one_token")
+    long_input = (
+        metrics.prompt_tokens >= LONG_PROMPT_TOKENS and short_s and metrics.ttft_s > THRESHOLD * short_s
+    )  # the first token waited for the prompt: more than 2x what a one-token prompt should take
+    if "prefill" in slow and first_request and warmup_s is None:  # one-time costs land on the first pass
+        symptom, points_to = TABLE["warm-up"]
+        findings.append(("warm-up", f"{symptom}: no warm-up ran" + because(slow["prefill"]), points_to))
+    elif long_input:
+        symptom, points_to = TABLE["prefill"]
+        c = checks[-2] if metrics.decode_step_s else checks[-1]  # the prefill row
+        for_length = f"; {c.ratio:.1f}x what this length should take here" if c.expected_s else ""
+        findings.append(
+            (
+                "prefill",
+                f"{symptom}: {metrics.prompt_tokens:,} tokens ({metrics.ttft_s:.3g} s, "
+                f"{metrics.ttft_s / short_s:.0f}x a one-token prompt's {short_s:.3g} s{for_length}; "
+                f"threshold {THRESHOLD:g}x)",
+                points_to,
             )
-        else:
-            symptom, points_to = TABLE["prefill"]
-            findings.append(
-                ("prefill", f"{symptom}: {metrics.prompt_tokens:,} tokens" + because(slow["prefill"]), points_to)
+        )
+    elif "prefill" in slow:  # neither cold nor long: the prompt's length is not why
+        findings.append(
+            (
+                "prefill",
+                f"slow first token for this prompt: {metrics.prompt_tokens:,} tokens" + because(slow["prefill"]),
+                "prefill: slower than this machine manages for this length; a busy machine (others' CPU above), "
+                "BLAS threads, or one-time costs",
             )
+        )
     if "decode" in slow:
         symptom, points_to = TABLE["decode"]
         findings.append(("decode", f"{symptom}: TPOT" + because(slow["decode"]), points_to))
