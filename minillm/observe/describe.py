@@ -275,13 +275,7 @@ def summary(model, metrics, text: str, first_request: bool, others_cpu_share: fl
     """TTFT, TPOT, tokens/s, KV bytes, the memory tables, and the diagnosis: each phase measured
     against what it should take on this machine."""
     expected, calibration = expectations(model, metrics)
-    history = list(model.history) + [
-        {
-            "prompt_tokens": metrics.prompt_tokens,
-            "prefill_s_per_token": metrics.ttft_s / max(metrics.prompt_tokens, 1),
-            "tpot_s": metrics.tpot_s,
-        }
-    ]
+    history = list(model.history) + [metrics.rates()]  # this request is added after the summary
     diagnosis = diagnose(
         metrics,
         expected=expected,

@@ -10,6 +10,8 @@ no tracing work at all.
 Phases, in the order a request meets them::
 
     load -> warmup -> prepare -> tokenize -> prefill -> decode (one per step) -> stop -> summary
+
+(``minillm chat --file`` adds an ``attach`` event before ``prepare``: the document's size in tokens.)
 """
 
 from __future__ import annotations
