@@ -232,3 +232,33 @@ def test_prefill_draws_the_sliding_window_mask_beside_the_causal_one():
     assert data["masks"]["sliding_attention"].splitlines()[3] == "· ■ ■ ■ · ·"  # the event carries the picture
     text, data = traced_prefill("llama")
     assert "causal mask" in text and "sliding-window mask" not in text and list(data["masks"]) == ["full_attention"]
+
+
+def test_a_long_prompt_folds_its_token_table_at_default_verbosity():
+    """300 prompt tokens: 10 rows at each end and the count between (280, by hand); -v full shows all."""
+    from rich.console import Console
+
+    from minillm.observe.events import TraceEvent
+
+    ids = list(range(1000, 1300))
+    event = TraceEvent("tokenize", 0.0, 0.001, {"ids": ids, "pieces": [f"p{i}" for i in ids], "special_ids": []})
+    shown = {}
+    for verbosity in ("steps", "full"):
+        console = Console(record=True, width=100)
+        Tracer(console, verbosity=verbosity, live=False)._renderer.render(event)
+        shown[verbosity] = console.export_text()
+    rows = [line.split() for line in shown["steps"].splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(10)) + list(range(290, 300))
+    assert "… 280 tokens folded (-v full shows every token)" in shown["steps"]
+    assert "p1150" in shown["full"] and "folded" not in shown["full"]
+
+
+def test_stop_sentences_say_token_or_tokens():
+    from minillm.observe.describe import describe_stop
+    from minillm.runtime.stopping import StopReason
+
+    numbers = dict(max_new_tokens=8, n_prompt=5, window=16, elapsed_s=0.1)
+    assert (describe_stop(StopReason.CANCELLED, "the cancel event was set", n_new=1, **numbers)
+            == "cancelled after 1 new token: the cancel event was set")
+    assert (describe_stop(StopReason.CANCELLED, "the caller closed the stream", n_new=3, **numbers)
+            == "cancelled after 3 new tokens: the caller closed the stream")

@@ -216,6 +216,9 @@ def measure_machine(folder: Path | None = None, repeats: int = 3) -> Machine:
 
     Returns:
         :class:`Machine`. Rates in bytes/s, FLOP/s; ``call_s`` and ``matmul_s_per_byte`` seconds.
+
+    Raises:
+        OSError: neither ``folder`` nor the temporary folder can hold the disk test's 128 MiB file.
     """
     from minillm.sources.hub import cache_root
 
@@ -225,7 +228,10 @@ def measure_machine(folder: Path | None = None, repeats: int = 3) -> Machine:
     a = rng.standard_normal((1024, 1024), dtype=np.float32)
     gemm_flop_s = 2 * 1024**3 / _best(lambda: a @ a, repeats)
     fresh_copy_b_s = _fresh_copy_b_s(repeats)
-    disk_read_b_s = _disk_read_b_s(folder or cache_root(), 128 << 20)
+    try:
+        disk_read_b_s = _disk_read_b_s(folder or cache_root(), 128 << 20)
+    except OSError:  # the cache folder is not writable: the temporary folder's disk instead
+        disk_read_b_s = _disk_read_b_s(Path(tempfile.gettempdir()), 128 << 20)
     tokenizer_b_s = _tokenizer_b_s(repeats)
     x, m = np.ones((1, 64), np.float32), np.ones((64, 64), np.float32)
     call_s = _best(lambda: [x @ m for _ in range(1000)], repeats) / 1000
@@ -262,6 +268,10 @@ def machine(*, remeasure: bool = False, on_measure=None) -> Machine:
     Args:
         remeasure: measure even if cached (``minillm calibrate``).
         on_measure: called with no argument just before measuring (to say why there is a pause).
+
+    The cache is ``calibration.json`` in minillm's cache folder, one entry per fingerprint (so
+    runs with 1 and 2 BLAS threads each have theirs); an unreadable or old file is measured over,
+    an unwritable one costs a measurement next time.
     """
     fp = fingerprint()
     key = fingerprint_key(fp)
