@@ -129,8 +129,9 @@ def _candidates(model, probs: np.ndarray | None) -> list[tuple[str, float]]:
     return [] if probs is None else _pieces(model, top_candidates(probs, CANDIDATES))
 
 
-def load(model, seconds: dict[str, float]) -> dict[str, Any]:
-    """The load phase: where the model came from, its config rows, weights, tokenizer, BLAS."""
+def load(model, seconds: dict[str, float], others_cpu_share: float = float("nan")) -> dict[str, Any]:
+    """The load phase: where the model came from, its config rows, weights, tokenizer, BLAS, and
+    the share (0..1) of the cores other processes used meanwhile (NaN when unknown)."""
     weights, tok, resolved = model.transformer.weights, model.tokenizer, model.resolved
     return dict(
         name=model.name,
@@ -139,6 +140,7 @@ def load(model, seconds: dict[str, float]) -> dict[str, Any]:
         notes=list(resolved.notes) + [n for a in model.adapters for n in a.notes],
         config=config_rows(model.config),
         seconds=seconds,
+        others_cpu_share=others_cpu_share,
         blas=blas_summary(),
         adapters=[a.summary() for a in model.adapters],
         weights={
@@ -271,7 +273,9 @@ def local_load_s(model) -> float:
     return sum(v for k, v in model.load_seconds.items() if k not in fetch)
 
 
-def summary(model, metrics, text: str, first_request: bool, others_cpu_share: float) -> dict[str, Any]:
+def summary(
+    model, metrics, text: str, first_request: bool, others_cpu_share: float, load_others_cpu_share: float = float("nan")
+) -> dict[str, Any]:
     """TTFT, TPOT, tokens/s, KV bytes, the memory tables, and the diagnosis: each phase measured
     against what it should take on this machine."""
     expected, calibration = expectations(model, metrics)
@@ -288,6 +292,7 @@ def summary(model, metrics, text: str, first_request: bool, others_cpu_share: fl
         load_source=model.resolved.source if model.resolved else None,
         blas_threads=blas_threads(),
         others_cpu_share=others_cpu_share,
+        load_others_cpu_share=load_others_cpu_share,
     )
     params = model.transformer.weights.num_parameters
     return dict(
@@ -295,6 +300,7 @@ def summary(model, metrics, text: str, first_request: bool, others_cpu_share: fl
         warmup_s=model.warmup_s,
         **metrics.to_dict(),
         others_cpu_share=others_cpu_share,
+        load_others_cpu_share=load_others_cpu_share,
         parameters=params,
         weight_bytes=weight_memory_table(params),
         kv_bytes=kv_memory_table(model.config),

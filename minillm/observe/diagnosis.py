@@ -175,6 +175,7 @@ def diagnose(
     load_source: str | None = None,
     blas_threads: int | None = None,
     others_cpu_share: float = float("nan"),
+    load_others_cpu_share: float = float("nan"),
     history: list[dict] | None = None,
     cores: int | None = None,
 ) -> Diagnosis:
@@ -198,6 +199,8 @@ def diagnose(
             forward passes competed with other processes for the cores.
         others_cpu_share: the share (0..1) of all cores' time other processes used during the
             request; NaN when unknown.
+        load_others_cpu_share: the same while the model loaded (a first request's slow load may be
+            the neighbours' doing too); NaN when unknown.
         history: the model's per-token rates of every request so far, this one last
             (``Model.history``): for "first request slow; later ones improve".
         cores: the machine's cores (default ``os.cpu_count()``).
@@ -279,13 +282,15 @@ def diagnose(
     if "decode" in slow:
         symptom, points_to = TABLE["decode"]
         findings.append(("decode", f"{symptom}: TPOT" + because(slow["decode"]), points_to))
-    busy = others_cpu_share * (cores or os.cpu_count() or 1)
-    if fix is None and busy >= BUSY_CORES and slow:
+    n = cores or os.cpu_count() or 1
+    shares = [others_cpu_share] + ([load_others_cpu_share] if "loading" in slow else [])
+    share = max((x for x in shares if x == x), default=float("nan"))  # the busiest of the slow phases' windows
+    if fix is None and share * n >= BUSY_CORES and slow:
         # The slow phases shared the cores: they may be the neighbours' doing, not the model's.
         findings.append(
             (
                 "shared machine",
-                f"measured on a busy machine (other processes used {others_cpu_share:.0%} of the cores)",
+                f"measured on a busy machine (other processes used {share:.0%} of the cores)",
                 "the slow phases shared the cores with other processes, so they are not the model's alone; "
                 "measure again when the machine is quieter",
             )
