@@ -123,7 +123,8 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
         "-f",
         default=None,
         metavar="PATH",
-        help="attach a text file (UTF-8; '-' reads stdin): the user message is its text, a blank line, then the prompt",
+        help="attach a text file (UTF-8; '-' reads stdin): its text, a blank line, then the prompt "
+        "(in chat: the user message)",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
