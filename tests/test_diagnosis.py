@@ -69,6 +69,22 @@ def test_without_an_expectation_nothing_is_judged():
     assert d.healthy and all(c.expected_s is None for c in d.checks)
 
 
+def test_a_slow_load_says_which_part_was_slow():
+    # 2.5 s against 1 s expected; the weights: read 0.2 s, convert 1.1 s (more than 2x the read, and
+    # with the read more than half the load)
+    d = diagnose(metrics(), expected=EXPECTED, load_s=2.5, first_request=True, load_source="cache",
+                 weight_seconds={"read": 0.2, "convert": 1.1})
+    assert d.main[1] == ("slow to become ready; weights read 0.20 s, convert 1.10 s "
+                         "(2.5 s, 2.5x the 1 s expected; threshold 2x)")
+    assert d.main[2].startswith("loading: most of it laying the weights out in fresh memory")
+    d = diagnose(metrics(), expected=EXPECTED, load_s=2.5, first_request=True, load_source="cache",
+                 weight_seconds={"read": 1.0, "convert": 1.1})
+    assert d.main[2] == TABLE["loading (cached)"][1]  # reading was as slow: the disk's table entry
+    d = diagnose(metrics(), expected=EXPECTED, load_s=5.0, first_request=True, load_source="cache",
+                 weight_seconds={"read": 0.2, "convert": 1.1})
+    assert d.main[2] == TABLE["loading (cached)"][1]  # most of the 5 s went elsewhere than the weights
+
+
 def test_slow_loading_from_the_cache_does_not_blame_downloads():
     d = diagnose(metrics(), expected=EXPECTED, load_s=3.0, first_request=True, load_source="cache")
     assert d.main[0] == "loading" and d.main[2] == TABLE["loading (cached)"][1]

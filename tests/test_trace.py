@@ -11,6 +11,7 @@ import pytest
 from rich.console import Console
 
 import minillm
+from minillm.observe.diagnosis import TABLE
 from minillm import SamplingParams, Tracer
 from minillm.observe.events import TraceEvent
 
@@ -135,7 +136,8 @@ def test_slow_loading_is_diagnosed(monkeypatch, one_blas_thread):
     d = _diagnosis(model, PROMPT, max_new_tokens=3)
     # expected from this machine's rates: well under 1.5 s (0.3-0.45 s measured), so 3 s more is > 2x
     loading = [f for f in d["findings"] if f[0] == "loading"]
-    assert loading and loading[0][1].startswith("slow to become ready ("), d
+    assert loading and loading[0][1].startswith("slow to become ready"), d
+    assert loading[0][2] == TABLE["loading (cached)"][1]  # the weights' read + convert are not where the 3 s went
     assert d["phase_seconds"]["loading"] > 3.0
 
 

@@ -143,7 +143,8 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in memory as loaded (float32)."""
+        """Bytes of the weights as loaded (float32); with ``mapped``, the file's pages they view,
+        resident only once the forward has touched them."""
         return sum(a.nbytes for a in self.arrays())
 
 

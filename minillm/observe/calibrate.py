@@ -173,9 +173,10 @@ def _matmul_s_per_byte(rng: np.random.Generator, repeats: int) -> dict[str, floa
 
 
 def _fresh_copy_b_s(repeats: int) -> float:
-    """Copy 256 MiB into a fresh allocation, as a load fills its weight block. The median, not the
-    best: the kernel's cost of finding fresh (huge) pages varies from run to run, and a load pays
-    the typical cost, not the luckiest."""
+    """Copy 256 MiB into a fresh allocation, as a load fills its weight block. The median run: the
+    kernel's cost of finding and zeroing fresh (huge) pages swings widely on a shared machine
+    (measured here: 0.04 to 1.3 s for 512 MiB, minutes apart), and a load that pays far more than
+    the typical cost is worth naming (the diagnosis then points at memory, not the disk)."""
     src = np.ones(64 << 20, dtype=np.float32)  # 256 MiB
     times = []
     for _ in range(repeats):

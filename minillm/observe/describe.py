@@ -146,6 +146,7 @@ def load(model, seconds: dict[str, float], others_cpu_share: float = float("nan"
         weights={
             "parameters": weights.num_parameters,
             "bytes_loaded": weights.nbytes,
+            "mapped": weights.mapped,
             "stored": dict(weights.stored_dtypes),
             "bytes_stored": dict(weights.stored_bytes),
             "unused": weights.unused_tensors,
@@ -284,6 +285,7 @@ def summary(
         metrics,
         expected=expected,
         history=history,
+        weight_seconds=dict(model.transformer.weights.seconds),
         load_s=local_load_s(model),
         warmup_s=model.warmup_s,
         first_request=first_request,

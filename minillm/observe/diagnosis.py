@@ -178,6 +178,7 @@ def diagnose(
     load_others_cpu_share: float = float("nan"),
     history: list[dict] | None = None,
     cores: int | None = None,
+    weight_seconds: dict[str, float] | None = None,
 ) -> Diagnosis:
     """Say whether any phase was slow, and what it points to.
 
@@ -204,6 +205,8 @@ def diagnose(
         history: the model's per-token rates of every request so far, this one last
             (``Model.history``): for "first request slow; later ones improve".
         cores: the machine's cores (default ``os.cpu_count()``).
+        weight_seconds: how the weights' load split (``Weights.seconds``: ``read``, ``convert``):
+            a slow load says which part was slow.
 
     Returns:
         :class:`Diagnosis`; no findings when the request was healthy.
@@ -249,6 +252,15 @@ def diagnose(
     if "loading" in slow:
         key = "loading (cached)" if load_source in ("cache", "local") else "loading"
         symptom, points_to = TABLE[key]
+        parts = {k: v for k, v in (weight_seconds or {}).items() if k in ("read", "map", "convert")}
+        if parts:
+            symptom += "; weights " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
+            mostly_weights = sum(parts.values()) >= 0.5 * (load_s or 0.0)  # else the time went elsewhere
+            if mostly_weights and parts.get("convert", 0.0) > 2 * max(parts.get("read", 0.0), 1e-9):
+                points_to = (
+                    "loading: most of it laying the weights out in fresh memory, where the kernel finds and "
+                    "zeroes new pages; slow when memory is busy or fragmented (load(..., mmap=True) skips the copy)"
+                )
         findings.append(("loading", symptom + because(slow["loading"]), points_to))
     short_s = expected.get("prefill_one_token")
     long_input = (

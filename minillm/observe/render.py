@@ -84,7 +84,11 @@ class Renderer:
             c.print(f"  note: {escape(note)}")
         c.print(_kv_table("config", list(d["config"].items())))
         w = d["weights"]
-        rows = [("parameters", f"{w['parameters']:,}"), ("as loaded", f"float32, {format_bytes(w['bytes_loaded'])}")]
+        how = "memory-mapped, paged in on first use" if w.get("mapped") else "in memory"
+        rows = [
+            ("parameters", f"{w['parameters']:,}"),
+            ("as loaded", f"float32, {format_bytes(w['bytes_loaded'])}, {how}"),
+        ]
         rows += [(f"stored {k}", f"{n:,} params, {format_bytes(w['bytes_stored'][k])}") for k, n in w["stored"].items()]
         if w.get("seconds"):
             rows.append(("seconds", ", ".join(f"{k} {v:.2f}" for k, v in w["seconds"].items())))
