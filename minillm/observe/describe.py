@@ -285,7 +285,7 @@ def summary(
         metrics,
         expected=expected,
         history=history,
-        weight_seconds=dict(model.transformer.weights.seconds),
+        weight_seconds=dict(getattr(model.transformer.weights, "seconds", {})),  # stand-in models have none
         load_s=local_load_s(model),
         warmup_s=model.warmup_s,
         first_request=first_request,
