@@ -271,7 +271,7 @@ def diagnose(
         findings.append(("warm-up", f"{symptom}: no warm-up ran" + because(slow["prefill"]), points_to))
     elif long_input:
         symptom, points_to = TABLE["prefill"]
-        c = checks[-2] if metrics.decode_step_s else checks[-1]  # the prefill row
+        c = next(c for c in checks if c.phase == "prefill")
         for_length = f"; {c.ratio:.1f}x what this length should take here" if c.expected_s else ""
         findings.append(
             (
