@@ -14,7 +14,7 @@ The rates, each the best of a few runs (the best is the closest to what the hard
   bandwidth bound), a short prompt's prefill a few rows;
 - ``gemm_flop_s``: float32 ``[1024, 1024] @ [1024, 1024]``, ``2 n^3`` FLOPs: a long prefill;
 - ``fresh_copy_b_s``: copying into freshly allocated memory (page faults + writes): loading
-  (the median of a few runs: the kernel's cost of fresh pages varies);
+  (the slowest of a few runs: the kernel's cost of fresh pages varies widely);
 - ``disk_read_b_s``: reading a file just written and dropped from the page cache
   (``posix_fadvise(DONTNEED)``): a cold load;
 - ``tokenizer_b_s``: bytes per second ``tokenizers`` builds a BPE tokenizer from its JSON (a
@@ -33,7 +33,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -173,17 +172,18 @@ def _matmul_s_per_byte(rng: np.random.Generator, repeats: int) -> dict[str, floa
 
 
 def _fresh_copy_b_s(repeats: int) -> float:
-    """Copy 256 MiB into a fresh allocation, as a load fills its weight block. The median run: the
-    kernel's cost of finding and zeroing fresh (huge) pages swings widely on a shared machine
-    (measured here: 0.04 to 1.3 s for 512 MiB, minutes apart), and a load that pays far more than
-    the typical cost is worth naming (the diagnosis then points at memory, not the disk)."""
+    """Copy 256 MiB into a fresh allocation, as a load fills its weight block; the slowest run
+    counts. The kernel's cost of finding and zeroing fresh (huge) pages swings widely on a shared
+    machine (measured here: 0.04 to 1.3 s for 512 MiB, minutes apart), and a load that paid the
+    dear end of that range was not slow: the expectation takes it (lenient, so that a healthy load
+    is never a finding)."""
     src = np.ones(64 << 20, dtype=np.float32)  # 256 MiB
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         np.copyto(np.empty_like(src), src)  # a fresh allocation each time: its pages fault in
         times.append(time.perf_counter() - t)
-    return src.nbytes / statistics.median(times)
+    return src.nbytes / max(times)
 
 
 def _tokenizer_b_s(repeats: int) -> float:
