@@ -21,7 +21,9 @@ process (so peak RSS is that runtime's own):
 
 It prints the figures, the ratios (minillm / torch eager, minillm / torch sdpa, minillm /
 ceiling) and the targets of issue 6 marked pass or fail, and writes the same as JSON
-(``--json``, default ``benchmarks/results/speed.json``). Each figure is the median of
+(``--json``, default ``benchmarks/results/local/speed.json``: untracked, so a run never overwrites
+the committed ``benchmarks/results/speed.json``; pass ``--json benchmarks/results/speed.json`` to
+update that on purpose). Each figure is the median of
 ``--repeats`` runs: the machine has 2 cores shared with whatever else runs, so check ``uptime``
 and read the load averages the report prints beside the numbers.
 
@@ -46,7 +48,9 @@ from .report import render
 
 SCHEMA = "minillm.benchmarks.speed/1"
 RUNTIMES = ("minillm", "torch-eager", "torch-sdpa")
-DEFAULT_JSON = Path(__file__).parent / "results" / "speed.json"
+# Untracked (.gitignore): a run, --quick or not, never overwrites the committed results/speed.json.
+DEFAULT_JSON = Path(__file__).parent / "results" / "local" / "speed.json"
+COMMITTED_JSON = Path(__file__).parent / "results" / "speed.json"
 REPORT_KEYS = ("schema", "created", "command", "settings", "host", "machine", "runtimes",
                "figures", "ceilings", "ratios", "targets", "curves", "workers")
 

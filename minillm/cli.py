@@ -2,7 +2,10 @@
 
     minillm run "The capital of France is"          # completion, traced
     minillm chat "What is the capital of France?"   # through the chat template
+    minillm chat --file examples/incident.txt "Summarize this incident report in two bullets."
+    cat report.txt | minillm chat --file - "Summarize this."   # the attachment from stdin
     minillm models                                  # the manifest
+    minillm calibrate                               # measure this machine again (the diagnosis's rates)
 
 Errors minillm raises on purpose (``MiniLLMError``) print as one clear message, no traceback
 (``--debug`` shows it), and exit with status 2.
@@ -123,6 +126,14 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-warmup", action="store_true", help="skip the warm-up request (the first request then pays one-time costs)"
     )
+    p.add_argument(
+        "--file",
+        "-f",
+        default=None,
+        metavar="PATH",
+        help="attach a text file (UTF-8; '-' reads stdin): its text, a blank line, then the prompt "
+        "(in chat: the user message)",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -148,7 +159,75 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the models in weights_manifest.toml")
     models.add_argument("--debug", action="store_true")
     add_serve_commands(sub)
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure this machine's rates (bandwidth, GEMM, disk) again; the diagnosis compares each phase with them",
+    )
+    cal.add_argument("--threads", type=int, default=None, metavar="N", help="BLAS threads to measure with")
+    cal.add_argument("--debug", action="store_true")
     return parser
+
+
+def _cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
+    from minillm.observe import calibrate
+    from minillm.runtime.loading import set_blas_threads
+
+    set_blas_threads(args.threads)
+    console.print("measuring this machine (a few seconds) ...")
+    machine = calibrate.machine(remeasure=True)
+    table = Table(title="this machine's rates", title_justify="left", show_header=False, box=None, padding=(0, 2))
+    table.add_column(style="cyan")
+    table.add_column(justify="right")
+    for row in machine.rows():
+        table.add_row(*row)
+    console.print(table)
+    console.print(
+        f"cached in {calibrate.calibration_file()} for this machine ({machine.fingerprint['cpu']}, "
+        f"{machine.fingerprint['cores']} cores, {machine.fingerprint['blas_threads']} BLAS threads)"
+    )
+    share = machine.others_cpu_share
+    if share == share and share > 0.25:
+        console.print(
+            f"[yellow]note[/]: other processes used {share:.0%} of the cores while measuring; the rates are "
+            "low, so expectations are lenient. Run `minillm calibrate` again on a quieter machine."
+        )
+    return 0
+
+
+def read_attachment(path: str) -> tuple[str, str]:
+    """``(name, text)`` of ``--file PATH`` (``-``: stdin), UTF-8.
+
+    Raises:
+        InvalidRequestError: a missing or unreadable file, not UTF-8 text, or an empty one.
+    """
+    from pathlib import Path
+
+    from minillm.errors import InvalidRequestError
+
+    try:
+        if path == "-":
+            name, text = "stdin", sys.stdin.buffer.read().decode("utf-8")
+        else:
+            name, text = Path(path).name, Path(path).expanduser().read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise InvalidRequestError(f"--file {path}: no such file; check the path.") from None
+    except IsADirectoryError:
+        raise InvalidRequestError(f"--file {path} is a folder; give a text file.") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(
+            f"--file {path} is not UTF-8 text (byte {exc.start}); attach a text file, or convert it to UTF-8."
+        ) from None
+    except OSError as exc:
+        raise InvalidRequestError(f"--file {path}: cannot read it ({exc.strerror}).") from None
+    if not text.strip():
+        raise InvalidRequestError(f"--file {path} is empty; attach a file with some text.")
+    return name, text
+
+
+def with_attachment(prompt: str, text: str) -> str:
+    """The user message: the attached text, a blank line, then the instruction. Instruction last:
+    SmolLM2-135M then summarizes; given the instruction first, it copied the document out."""
+    return f"{text.strip()}\n\n{prompt}"
 
 
 def _cmd_models(console: Console) -> int:
@@ -207,6 +286,7 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
         seed=args.seed,
     )
 
+    attachment = read_attachment(args.file) if args.file else None
     tracer = Tracer(console if args.trace == "rich" else None, verbosity=args.verbosity)
     model = minillm.load(
         args.model,
@@ -217,11 +297,24 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
         threads=args.threads,
         weight_dtype=args.weight_dtype,
     )
+    user_text = args.prompt
+    if attachment is not None:
+        name, text = attachment
+        user_text = with_attachment(args.prompt, text)
+        n = len(model.tokenizer.encode(text.strip(), add_special_tokens=False))
+        tracer.emit("attach", tracer.now(), 0.0, name=name, chars=len(text), tokens=n)
     if args.command == "chat":
+        if not model.tokenizer.chat_template:
+            from minillm.errors import ChatTemplateError
+
+            raise ChatTemplateError(
+                f"{model.name} has no chat template (a base model: it continues text, it does not answer "
+                f'messages); use `minillm run -m {args.model or model.name} "..."` to complete a prompt instead.'
+            )
         messages = [{"role": "system", "content": args.system}] if args.system else []
-        prompt: str | list = messages + [{"role": "user", "content": args.prompt}]
+        prompt: str | list = messages + [{"role": "user", "content": user_text}]
     else:
-        prompt = args.prompt
+        prompt = user_text
     # Ctrl-C sets the cancel event; the request checks it between steps and ends cleanly.
     cancel = threading.Event()
 
@@ -264,7 +357,8 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
             f.write(tracer.to_jsonl())
     if result.stop_reason is StopReason.CANCELLED:
         Console(stderr=True).print(
-            f"[yellow]cancelled[/] by Ctrl-C after {len(result.ids)} new tokens; the partial output is above"
+            f"[yellow]cancelled[/] by Ctrl-C after {len(result.ids)} new token{'' if len(result.ids) == 1 else 's'}; "
+            "the partial output is above"
         )
         return 130
     return 0
@@ -281,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "models":
             return _cmd_models(console)
+        if args.command == "calibrate":
+            return _cmd_calibrate(args, console)
         if hasattr(args, "run_command"):  # serve, bench (minillm/serve)
             return args.run_command(args)
         return _cmd_request(args, console)

@@ -196,3 +196,13 @@ def test_quick_run_renders(quick_report):
     render(quick_report[0], Console(file=buffer, width=160))
     text = buffer.getvalue()
     assert "decode (tok/s)" in text and "targets (issue 6)" in text and "OPENBLAS_CORETYPE" in text
+
+
+def test_the_default_report_path_is_untracked():
+    """A plain run (``--quick`` included) writes under benchmarks/results/local/, which .gitignore
+    lists, never over the committed benchmarks/results/speed.json."""
+    root = Path(__file__).resolve().parent.parent
+    args = speed.parse_args(["--quick"])
+    assert args.json == root / "benchmarks" / "results" / "local" / "speed.json"
+    assert "benchmarks/results/local/" in (root / ".gitignore").read_text().splitlines()
+    assert speed.parse_args(["--json", "x.json"]).json == Path("x.json")  # told otherwise: there

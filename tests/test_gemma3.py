@@ -189,6 +189,38 @@ def test_tiny_gemma3_gguf_imports_and_runs_like_transformers(tmp_path):
 # --- the model ----------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.reference
+def test_weights_match_transformers_gguf_loader(gemma3, gemma3_gguf):
+    """transformers reads the GGUF with its own code (names, `- 1` on norms, config defaults);
+    every tensor and the shape-setting config fields must equal ours."""
+    import gc
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name,
+                                               dtype=torch.float32)
+    ref_sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    # Our tensors one at a time (a whole second copy of the 1 GiB file would only add to the peak).
+    with safe_open(gemma3.path / "model.safetensors", framework="numpy") as ours:
+        assert ref_sd.keys() - {"lm_head.weight"} == set(ours.keys())  # tied: no lm_head in our file
+        for name, want in ref_sd.items():
+            got = ours.get_tensor("model.embed_tokens.weight" if name == "lm_head.weight" else name)
+            assert got.dtype == np.float32 and got.shape == want.shape, name
+            np.testing.assert_array_equal(got, want, err_msg=name)
+    cfg = json.loads((gemma3.path / "config.json").read_text())
+    for field in ("layer_types", "sliding_window", "query_pre_attn_scalar", "head_dim", "vocab_size",
+                  "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings"):
+        assert cfg[field] == getattr(ref.config, field), field
+    assert np.float32(cfg["rms_norm_eps"]) == np.float32(ref.config.rms_norm_eps)  # GGUF keeps a float32
+    assert ref.config.rope_parameters["full_attention"]["rope_theta"] == cfg["rope_theta"] == 1e6
+    assert ref.config.rope_parameters["sliding_attention"]["rope_theta"] == cfg["rope_local_base_freq"] == 1e4
+    del ref, ref_sd
+    gc.collect()  # transformers' copy goes before the next tests load theirs
+
+
+@pytest.mark.slow
+@pytest.mark.reference
 def test_greedy_matches_transformers_token_for_token(gemma3, hf_gemma3):
     result = minillm.generate(gemma3, "The capital of France is", GREEDY, max_new_tokens=16)
     assert result.prompt_ids[0] == 2 and len(result.ids) == 16  # <bos> first: Gemma needs it
@@ -222,33 +254,6 @@ def test_logits_match_transformers_at_prefill_and_8_decode_steps(gemma3, hf_gemm
     print(f"gemma3-270m ({len(ids)} prompt tokens): max abs logit difference {diff:.2e}")
     assert diff < tolerance
     assert fed[len(ids):] == [int(i) for i in want[:-1].argmax(axis=1)]  # same greedy tokens
-
-
-@pytest.mark.slow
-@pytest.mark.reference
-def test_weights_match_transformers_gguf_loader(gemma3, gemma3_gguf):
-    """transformers reads the GGUF with its own code (names, `- 1` on norms, config defaults);
-    every tensor and the shape-setting config fields must equal ours."""
-    import torch
-    from safetensors.numpy import load_file
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name,
-                                               dtype=torch.float32)
-    ref_sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
-    ours = load_file(str(gemma3.path / "model.safetensors"))
-    assert ref_sd.keys() - {"lm_head.weight"} == ours.keys()  # tied: no lm_head in our file
-    for name, want in ref_sd.items():
-        got = ours["model.embed_tokens.weight" if name == "lm_head.weight" else name]
-        assert got.dtype == np.float32 and got.shape == want.shape, name
-        np.testing.assert_array_equal(got, want, err_msg=name)
-    cfg = json.loads((gemma3.path / "config.json").read_text())
-    for field in ("layer_types", "sliding_window", "query_pre_attn_scalar", "head_dim", "vocab_size",
-                  "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings"):
-        assert cfg[field] == getattr(ref.config, field), field
-    assert np.float32(cfg["rms_norm_eps"]) == np.float32(ref.config.rms_norm_eps)  # GGUF keeps a float32
-    assert ref.config.rope_parameters["full_attention"]["rope_theta"] == cfg["rope_theta"] == 1e6
-    assert ref.config.rope_parameters["sliding_attention"]["rope_theta"] == cfg["rope_local_base_freq"] == 1e4
 
 
 # --- the tokenizer --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 from rich.console import Console
 
 import minillm
+from minillm.observe.diagnosis import TABLE
 from minillm import SamplingParams, Tracer
 from minillm.observe.events import TraceEvent
 
@@ -137,15 +138,25 @@ def test_slow_loading_is_diagnosed(monkeypatch, one_blas_thread):
 
     real = minillm.runtime.loading.load_weights
 
+    from minillm.observe import calibrate
+
+    plain = minillm.load("smollm2-135m-instruct", progress=False, warmup=False)
+    expected = calibrate.expected_load_s(plain, calibrate.machine())  # this machine's expectation
+    del plain
+    delay = max(3.0, 2.5 * expected)  # beyond the 2x threshold whatever the expectation
+
     def slow_load_weights(*args, **kwargs):
-        time.sleep(3.0)  # an injected delay: a slow disk or a conversion
+        time.sleep(delay)  # an injected delay: a slow disk or a conversion
         return real(*args, **kwargs)
 
     monkeypatch.setattr(minillm.runtime.loading, "load_weights", slow_load_weights)
     model = minillm.load("smollm2-135m-instruct", progress=False)
     d = _diagnosis(model, PROMPT, max_new_tokens=3)
-    assert d["dominant"] == "loading" and d["findings"][0][1] == "slow to become ready"
-    assert d["phase_seconds"]["loading"] > 3.0
+    # expected from this machine's rates: well under 1.5 s (0.3-0.45 s measured), so 3 s more is > 2x
+    loading = [f for f in d["findings"] if f[0] == "loading"]
+    assert loading and loading[0][1].startswith("slow to become ready"), d
+    assert loading[0][2] == TABLE["loading (cached)"][1]  # the weights' read + convert are not where the 3 s went
+    assert d["phase_seconds"]["loading"] > delay
 
 
 def test_skipped_warmup_is_diagnosed(one_blas_thread):
@@ -161,14 +172,11 @@ def test_skipped_warmup_is_diagnosed(one_blas_thread):
 
     model.transformer.forward = cold_forward
     d = _diagnosis(model, PROMPT, max_new_tokens=3)
-    assert d["dominant"] == "warm-up" and d["findings"][0][1] == "first request slow"
+    warmup = [f for f in d["findings"] if f[0] == "warm-up"]  # a busy machine may add a slow load before it
+    assert warmup and warmup[0][1].startswith("first request slow: no warm-up ran ("), d
 
 
-def test_long_prompt_is_diagnosed_as_prefill(smollm2, one_blas_thread):
-    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)  # ~600 tokens
-    minillm.generate(smollm2, PROMPT, GREEDY, max_new_tokens=1)  # not the first request any more
-    d = _diagnosis(smollm2, long_prompt, max_new_tokens=2)
-    assert d["dominant"] == "prefill" and d["findings"][0][1] == "long input delays the first token"
+# SEE tests/test_diagnosis.py test_a_1500_token_prompt_gives_the_prefill_finding (a long prompt)
 
 
 def test_slow_decode_is_diagnosed(smollm2, monkeypatch, one_blas_thread):
@@ -182,7 +190,8 @@ def test_slow_decode_is_diagnosed(smollm2, monkeypatch, one_blas_thread):
     minillm.generate(smollm2, PROMPT, GREEDY, max_new_tokens=1)
     monkeypatch.setattr(smollm2.transformer, "forward", slow_decode)
     d = _diagnosis(smollm2, PROMPT, max_new_tokens=8)
-    assert d["dominant"] == "decode" and d["findings"][0][1] == "slow after the first token"
+    decode = [f for f in d["findings"] if f[0] == "decode"]  # a busy machine may add others beside it
+    assert d["dominant"] == "decode" and decode and decode[0][1].startswith("slow after the first token: TPOT ("), d
 
 
 def test_others_cpu_share_from_two_snapshots():
@@ -245,3 +254,33 @@ def test_prefill_draws_the_sliding_window_mask_beside_the_causal_one():
     assert data["masks"]["sliding_attention"].splitlines()[3] == "· ■ ■ ■ · ·"  # the event carries the picture
     text, data = traced_prefill("llama")
     assert "causal mask" in text and "sliding-window mask" not in text and list(data["masks"]) == ["full_attention"]
+
+
+def test_a_long_prompt_folds_its_token_table_at_default_verbosity():
+    """300 prompt tokens: 10 rows at each end and the count between (280, by hand); -v full shows all."""
+    from rich.console import Console
+
+    from minillm.observe.events import TraceEvent
+
+    ids = list(range(1000, 1300))
+    event = TraceEvent("tokenize", 0.0, 0.001, {"ids": ids, "pieces": [f"p{i}" for i in ids], "special_ids": []})
+    shown = {}
+    for verbosity in ("steps", "full"):
+        console = Console(record=True, width=100)
+        Tracer(console, verbosity=verbosity, live=False)._renderer.render(event)
+        shown[verbosity] = console.export_text()
+    rows = [line.split() for line in shown["steps"].splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(10)) + list(range(290, 300))
+    assert "… 280 tokens folded (-v full shows every token)" in shown["steps"]
+    assert "p1150" in shown["full"] and "folded" not in shown["full"]
+
+
+def test_stop_sentences_say_token_or_tokens():
+    from minillm.observe.describe import describe_stop
+    from minillm.runtime.stopping import StopReason
+
+    numbers = dict(max_new_tokens=8, n_prompt=5, window=16, elapsed_s=0.1)
+    assert (describe_stop(StopReason.CANCELLED, "the cancel event was set", n_new=1, **numbers)
+            == "cancelled after 1 new token: the cancel event was set")
+    assert (describe_stop(StopReason.CANCELLED, "the caller closed the stream", n_new=3, **numbers)
+            == "cancelled after 3 new tokens: the caller closed the stream")

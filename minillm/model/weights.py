@@ -76,6 +76,8 @@ class LayerWeights:
         for ffn in fields(self):
             if isinstance(a := getattr(self, ffn.name), (np.ndarray, HeldMatrix)):
                 yield a
+            elif isinstance(a, tuple):  # a memory-mapped projection: its parts
+                yield from a
 
     def project(self, name: str, x: np.ndarray) -> np.ndarray:
         """``x @ W.T (+ b)`` for projection ``name`` (``"qkv"``, ``"o"``, ``"gate_up"``, ``"up"``,
@@ -84,14 +86,18 @@ class LayerWeights:
         ``[seq, rows]`` to its own output rows).
 
         A float32 matrix is an array and goes straight to ``primitives.linear``; a matrix held in
-        another format (``held.py``: bfloat16, int8, GGUF blocks) gives float32 rows chunk by chunk.
+        another format (``held.py``: bfloat16, int8, GGUF blocks) gives float32 rows chunk by chunk;
+        a memory-mapped load (``mmap=True``) keeps the file's separate matrices, one product each.
         """
         weight, bias = _PROJECTIONS[name]
         w, b = getattr(self, weight), getattr(self, bias)
         if isinstance(w, np.ndarray):
             y = primitives.linear(x, w, b)
         else:
-            y = w.linear(x)  # [seq, out]
+            if isinstance(w, tuple):  # memory-mapped: q, k, v (or gate, up) as the file keeps them
+                y = np.concatenate([primitives.linear(x, part) for part in w], axis=-1)  # [seq, out]
+            else:
+                y = w.linear(x)  # [seq, out]
             if b is not None:
                 y += b
         if self.lora:  # unmerged adapters: each adds its path to its own rows
@@ -101,7 +107,8 @@ class LayerWeights:
 
     def projections(self):
         """Yield the block's matrices, the ones a token's matrix products stream through:
-        ``w_qkv``, ``w_o``, ``w_gate_up`` (or GPT-2's ``w_up``), ``w_down``."""
+        ``w_qkv``, ``w_o``, ``w_gate_up`` (or GPT-2's ``w_up``), ``w_down`` (a memory-mapped
+        load's fused ones as tuples of the file's matrices: :func:`parts` lists them)."""
         for a in (self.w_qkv, self.w_o, self.w_gate_up, self.w_up, self.w_down):
             if a is not None:
                 yield a
@@ -109,6 +116,12 @@ class LayerWeights:
 
 #: projection name -> its weight and bias fields in LayerWeights
 _PROJECTIONS = {name: ("w_" + name, "b_" + name) for name in ("qkv", "o", "gate_up", "up", "down")}
+
+
+def parts(matrix: np.ndarray | tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """The matrices a projection is made of: itself, or a memory-mapped load's separate ones
+    (q, k, v or gate, up: the file keeps them apart and a map cannot fuse them without a copy)."""
+    return matrix if isinstance(matrix, tuple) else (matrix,)
 
 
 @dataclass
@@ -129,6 +142,7 @@ class Weights:
     files: list[Path] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # {"read": bytes -> float32, "convert": layout}
     weight_dtype: str = "float32"  # how the matrices are held: float32 | bfloat16 | int8 | gguf
+    mapped: bool = False  # the matrices are read-only views of the files (load(..., mmap=True))
 
     def arrays(self):
         """Yield every distinct parameter array once (a tied head is not counted twice)."""
@@ -155,7 +169,8 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in memory as loaded (whatever each matrix's format)."""
+        """Bytes held in memory as loaded (whatever each matrix's format); with ``mapped``, the file's
+        pages they view, resident only once the forward has touched them."""
         return sum(a.nbytes for a in self.arrays())
 
     def formats(self) -> dict[str, tuple[int, int]]:
@@ -228,8 +243,14 @@ class WeightBlock:
         return self.data[start : self.used].reshape(rows, cols)
 
 
-def load_weights(folder: str | os.PathLike, config: ModelConfig) -> Weights:
+def load_weights(folder: str | os.PathLike, config: ModelConfig, mmap: bool = False) -> Weights:
     """Load a model folder's safetensors into the internal float32 layout.
+
+    With ``mmap=True`` nothing is copied: every matrix is a read-only view of the file as it lays
+    them out (llama.cpp's default), paged in by the kernel when the forward first touches it, so
+    the first request pays the page-ins (a warm-up pays them before "ready"). The fused q|k|v and
+    gate|up become tuples of the file's separate matrices (:func:`parts`), one product each.
+    Only float32 files map: any other dtype would need a converted copy.
 
     Returns:
         Weights with projections ``[out, in]`` and fused (q|k|v, gate|up), norms
@@ -239,7 +260,7 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig) -> Weights:
     Raises:
         WeightsError: unreadable file, a tensor missing, a tensor of the wrong shape (the message
             names the tensor, the expected and the found shape), or one stored in a dtype minillm
-            does not read.
+            does not read (with ``mmap=True``: any dtype but float32).
     """
     family = config.family
     names = NAME_MAPS[family]
@@ -248,6 +269,7 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig) -> Weights:
     tensors, counts, nbytes = _read_tensors(files)
     t1 = time.perf_counter()
     used: set[str] = set()
+    maps: dict = {}  # mmap: one map per file
     reading = [t1 - t0]  # seconds spent reading bytes (headers, then each tensor as it is taken)
     prefix = OPTIONAL_PREFIX.get(family)
 
@@ -277,19 +299,30 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig) -> Weights:
             )
         t = time.perf_counter()
         try:
-            array = stored.to_float32()
+            array = stored.mapped(maps) if mmap else stored.to_float32()
         except WeightsError as exc:
             raise WeightsError(f"tensor {name!r}: {exc}") from None
         reading[0] += time.perf_counter() - t
         used.add(name)
         return array
 
-    def linear_into(out: np.ndarray, key: str, in_dim: int, out_dim: int, i: int) -> np.ndarray:
-        """Write a projection into ``out`` as ``[out_dim, in_dim]``, whichever way the file stores it."""
-        if family in CONV1D_FAMILIES:  # Conv1D [in, out] -> [out, in]
-            out[...] = take(key, (in_dim, out_dim), i).T
-        else:  # nn.Linear: already [out, in]
-            out[...] = take(key, (out_dim, in_dim), i)
+    def linear(key: str, in_dim: int, out_dim: int, i: int) -> np.ndarray:
+        """A projection as ``[out_dim, in_dim]``, whichever way the file stores it (a copy, or a view)."""
+        if family in CONV1D_FAMILIES:  # Conv1D [in, out] -> [out, in] (a transposed view when mapped)
+            return take(key, (in_dim, out_dim), i).T
+        return take(key, (out_dim, in_dim), i)  # nn.Linear: already [out, in]
+
+    def matrix(i: int, in_dim: int, *pieces: tuple[str, int]) -> np.ndarray | tuple[np.ndarray, ...]:
+        """The projection stacking ``pieces`` ``(key, out_dim)`` row-wise: carved from the block and
+        filled (eager), or the file's own matrices side by side (mapped)."""
+        if mmap:
+            views = tuple(linear(key, in_dim, out_dim, i) for key, out_dim in pieces)
+            return views[0] if len(views) == 1 else views
+        out = block.carve(sum(n for _, n in pieces), in_dim)
+        row = 0
+        for key, out_dim in pieces:
+            out[row : row + out_dim] = linear(key, in_dim, out_dim, i)
+            row += out_dim
         return out
 
     def norm(key: str, dim: int, i: int | None = None) -> np.ndarray:
@@ -303,22 +336,22 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig) -> Weights:
 
     gated, tied = config.mlp is MlpKind.GATED, config.tie_word_embeddings
     per_layer = (q_dim + 2 * kv_dim) * d_model + d_model * q_dim + (2 if gated else 1) * ffn * d_model + d_model * ffn
-    block = WeightBlock(vocab * d_model * (1 if tied else 2) + config.num_hidden_layers * per_layer)
+    block = WeightBlock(0 if mmap else vocab * d_model * (1 if tied else 2) + config.num_hidden_layers * per_layer)
     # The largest tensor first: while it is read, its mapped file pages and its copy both count in
     # the resident set, and this way nothing else is loaded yet (peak RSS).
-    embed = block.carve(vocab, d_model)
-    embed[...] = take("embed_tokens", (vocab, d_model))
+    if mmap:
+        embed = take("embed_tokens", (vocab, d_model))  # a view of the file
+    else:
+        embed = block.carve(vocab, d_model)
+        embed[...] = take("embed_tokens", (vocab, d_model))
     layers = []
     for i in range(config.num_hidden_layers):
         # Carved in the order the forward reads them: q|k|v, o, gate|up (or up), down.
-        w_qkv = block.carve(q_dim + 2 * kv_dim, d_model)  # q | k | v rows: one matrix multiply gives all three
         if "qkv" in names:  # GPT-2: one fused Conv1D [d_model, 3 d_model]
-            linear_into(w_qkv, "qkv", d_model, q_dim + 2 * kv_dim, i)
+            w_qkv = matrix(i, d_model, ("qkv", q_dim + 2 * kv_dim))
             b_qkv = maybe(config.qkv_bias, "qkv_bias", (q_dim + 2 * kv_dim,), i)
-        else:
-            linear_into(w_qkv[:q_dim], "q", d_model, q_dim, i)
-            linear_into(w_qkv[q_dim : q_dim + kv_dim], "k", d_model, kv_dim, i)
-            linear_into(w_qkv[q_dim + kv_dim :], "v", d_model, kv_dim, i)
+        else:  # q | k | v rows: one matrix multiply gives all three
+            w_qkv = matrix(i, d_model, ("q", q_dim), ("k", kv_dim), ("v", kv_dim))
             b_qkv = (
                 np.concatenate(
                     [take("q_bias", (q_dim,), i), take("k_bias", (kv_dim,), i), take("v_bias", (kv_dim,), i)]
@@ -326,19 +359,17 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig) -> Weights:
                 if config.qkv_bias
                 else None
             )
-        w_o = linear_into(block.carve(d_model, q_dim), "o", q_dim, d_model, i)  # [d_model, q_dim]
+        w_o = matrix(i, q_dim, ("o", d_model))  # [d_model, q_dim]
         w_gate_up = w_up = b_gate_up = b_up = None
         if gated:
-            w_gate_up = block.carve(2 * ffn, d_model)  # gate | up rows
-            linear_into(w_gate_up[:ffn], "gate", d_model, ffn, i)
-            linear_into(w_gate_up[ffn:], "up", d_model, ffn, i)
+            w_gate_up = matrix(i, d_model, ("gate", ffn), ("up", ffn))  # gate | up rows
             b_gate_up = (
                 np.concatenate([take("gate_bias", (ffn,), i), take("up_bias", (ffn,), i)]) if config.mlp_bias else None
             )
         else:
-            w_up = linear_into(block.carve(ffn, d_model), "up", d_model, ffn, i)  # [ffn, d_model]
+            w_up = matrix(i, d_model, ("up", ffn))  # [ffn, d_model]
             b_up = maybe(config.mlp_bias, "up_bias", (ffn,), i)
-        w_down = linear_into(block.carve(d_model, ffn), "down", ffn, d_model, i)  # [d_model, ffn]
+        w_down = matrix(i, ffn, ("down", d_model))  # [d_model, ffn]
         layernorm = config.norm is NormKind.LAYERNORM
         layers.append(
             LayerWeights(
@@ -366,6 +397,8 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig) -> Weights:
         if (name := find("lm_head", None)) is not None:
             used.add(name)  # some files carry the tied copy anyway; the model uses the embedding
         lm_head = embed  # tied head: the embedding itself, no second copy
+    elif mmap:
+        lm_head = take("lm_head", (vocab, d_model))  # [vocab, d_model], a view of the file
     else:
         lm_head = block.carve(vocab, d_model)  # [vocab, d_model]
         lm_head[...] = take("lm_head", (vocab, d_model))
@@ -385,5 +418,6 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig) -> Weights:
         stored_bytes=nbytes,
         unused_tensors=sorted(set(tensors) - used),
         files=files,
-        seconds={"read": reading[0], "convert": t2 - t0 - reading[0]},
+        seconds={"map" if mmap else "read": reading[0], "convert": t2 - t0 - reading[0]},
+        mapped=mmap,
     )

@@ -15,6 +15,7 @@ import numpy as np
 
 from minillm.model.config import ModelConfig
 from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
+from minillm.observe import calibrate
 from minillm.observe.diagnosis import diagnose
 from minillm.observe.metrics import blas_summary, blas_threads, held_weight_table, kv_memory_table, weight_memory_table
 from minillm.runtime.sampling import top_candidates
@@ -111,7 +112,7 @@ def describe_stop(
             f"stop-token sequence {condition} appeared in the new ids; its text is {'kept' if include else 'not shown'}"
         )
     if reason is StopReason.CANCELLED:
-        return f"cancelled ({condition}) after {n_new} new token{'' if n_new == 1 else 's'}"
+        return f"cancelled after {n_new} new token{'' if n_new == 1 else 's'}: {condition}"
     if reason is StopReason.TIMEOUT:
         return (
             f"deadline of {condition} s passed after {elapsed_s:.3f} s and {n_new} new token{'' if n_new == 1 else 's'}"
@@ -128,8 +129,9 @@ def _candidates(model, probs: np.ndarray | None) -> list[tuple[str, float]]:
     return [] if probs is None else _pieces(model, top_candidates(probs, CANDIDATES))
 
 
-def load(model, seconds: dict[str, float]) -> dict[str, Any]:
-    """The load phase: where the model came from, its config rows, weights, tokenizer, BLAS."""
+def load(model, seconds: dict[str, float], others_cpu_share: float = float("nan")) -> dict[str, Any]:
+    """The load phase: where the model came from, its config rows, weights, tokenizer, BLAS, and
+    the share (0..1) of the cores other processes used meanwhile (NaN when unknown)."""
     weights, tok, resolved = model.transformer.weights, model.tokenizer, model.resolved
     return dict(
         name=model.name,
@@ -138,11 +140,13 @@ def load(model, seconds: dict[str, float]) -> dict[str, Any]:
         notes=list(resolved.notes) + [n for a in model.adapters for n in a.notes],
         config=config_rows(model.config),
         seconds=seconds,
+        others_cpu_share=others_cpu_share,
         blas=blas_summary(),
         adapters=[a.summary() for a in model.adapters],
         weights={
             "parameters": weights.num_parameters,
             "bytes_loaded": weights.nbytes,
+            "mapped": weights.mapped,
             "stored": dict(weights.stored_dtypes),
             "bytes_stored": dict(weights.stored_bytes),
             "unused": weights.unused_tensors,
@@ -239,11 +243,52 @@ def stop(model, reason: StopReason, condition, text: str, ends_inside_character:
     return dict(reason=reason.value, condition=condition, text=text, detail=detail)
 
 
-def summary(model, metrics, text: str, first_request: bool, others_cpu_share: float) -> dict[str, Any]:
-    """TTFT, TPOT, tokens/s, KV bytes, the memory tables, and the diagnosis of what dominated."""
+def expectations(model, metrics) -> tuple[dict[str, float], dict[str, Any]]:
+    """What this request's phases should take on this machine (``calibrate.py``; the machine is
+    measured once, a few seconds, then read from the cache), and a note on the calibration."""
+    try:
+        sizes = calibrate.model_sizes(model)
+    except AttributeError:  # a stand-in model without weights (tests, scripted lessons): nothing to expect
+        return {}, {}
+    machine, measured_now = calibrate.machine_cached()
+    steps = len(metrics.decode_step_s)
+    context = metrics.prompt_tokens + (steps + 1) / 2  # mean positions a decode step reads
+    expected = {
+        "loading": calibrate.expected_load_s(model, machine),
+        "prefill": calibrate.expected_prefill_s(sizes, machine, metrics.prompt_tokens),
+        "prefill_one_token": calibrate.expected_prefill_s(sizes, machine, 1),
+        "decode": calibrate.expected_tpot_s(sizes, machine, context),
+    }
+    note = {
+        "measured_now": measured_now,
+        "seconds": machine.seconds,
+        "file": str(calibrate.calibration_file()),
+        "others_cpu_share": machine.others_cpu_share,
+        "bandwidth_gb_s": machine.bandwidth_b_s / 1e9,
+        "gemm_gflop_s": machine.gemm_flop_s / 1e9,
+    }
+    return expected, note
+
+
+def local_load_s(model) -> float:
+    """Seconds of loading from local files: downloads, checks and conversions (first use) left out."""
+    fetch = {k for k in model.resolved.seconds if k not in ("total", "resolve")} if model.resolved else set()
+    return sum(v for k, v in model.load_seconds.items() if k not in fetch)
+
+
+def summary(
+    model, metrics, text: str, first_request: bool, others_cpu_share: float, load_others_cpu_share: float = float("nan")
+) -> dict[str, Any]:
+    """TTFT, TPOT, tokens/s, KV bytes, the memory tables, and the diagnosis: each phase measured
+    against what it should take on this machine."""
+    expected, calibration = expectations(model, metrics)
+    history = list(model.history) + [metrics.rates()]  # this request is added after the summary
     diagnosis = diagnose(
         metrics,
-        load_s=model.load_s,
+        expected=expected,
+        history=history,
+        weight_seconds=dict(getattr(model.transformer.weights, "seconds", {})),  # stand-in models have none
+        load_s=local_load_s(model),
         warmup_s=model.warmup_s,
         first_request=first_request,
         text=text,
@@ -251,6 +296,7 @@ def summary(model, metrics, text: str, first_request: bool, others_cpu_share: fl
         load_source=model.resolved.source if model.resolved else None,
         blas_threads=blas_threads(),
         others_cpu_share=others_cpu_share,
+        load_others_cpu_share=load_others_cpu_share,
     )
     params = model.transformer.weights.num_parameters
     return dict(
@@ -258,6 +304,7 @@ def summary(model, metrics, text: str, first_request: bool, others_cpu_share: fl
         warmup_s=model.warmup_s,
         **metrics.to_dict(),
         others_cpu_share=others_cpu_share,
+        load_others_cpu_share=load_others_cpu_share,
         parameters=params,
         weight_bytes=weight_memory_table(params),
         weights_held=held_weight_table(model.transformer.weights.formats())
@@ -265,9 +312,12 @@ def summary(model, metrics, text: str, first_request: bool, others_cpu_share: fl
         else {},
         kv_bytes=kv_memory_table(model.config),
         context=model.config.max_position_embeddings,
+        calibration=calibration,
         diagnosis={
             "dominant": diagnosis.dominant,
             "phase_seconds": diagnosis.phase_seconds,
+            "checks": [[c.phase, c.measured_s, c.expected_s, c.ratio] for c in diagnosis.checks],
+            "threshold": diagnosis.threshold,
             "findings": diagnosis.findings,
         },
     )

@@ -1,6 +1,4 @@
-"""Diagnosis: the seed lesson's table, made executable.
-
-From a request's measured phase times, say which phase dominated and what that points to:
+"""Diagnosis: the seed lesson's table, made executable, against what this machine should manage.
 
     symptom                              phase                 look at
     slow to become ready                 loading               download / conversion / reading weights
@@ -10,15 +8,31 @@ From a request's measured phase times, say which phase dominated and what that p
     odd text fragments                   tokenizer / template  chat template, special tokens, detokenizer
     slow on a shared machine             threads               BLAS threads competing with other processes
 
+A phase is a finding only when it was *slow*: measured more than :data:`THRESHOLD` times what it
+should take on this machine (``calibrate.py`` computes that from the model's bytes and FLOPs and
+the machine's measured rates). For the first token of a long prompt, the yardstick is a one-token
+prompt's: a wait more than 2x that is the prompt's length, even when prefill ran as fast as the
+machine allows. The largest phase of a healthy request is not a symptom: a healthy
+request gets no finding, and the table of measured vs expected says why. Two findings need no
+expectation: "first request slow" compares the first request's per-token rates with the median of
+the later ones on the same loaded model (``Model.history``), and "slow on a shared machine" reads
+other processes' share of the cores, whichever phase dominated.
+
 Times are seconds as measured (``RequestMetrics``, ``Model.load_s``, the warm-up's duration).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
 from dataclasses import dataclass, field
 
 from minillm.runtime.request import RequestMetrics
+
+#: A phase is slow when measured > THRESHOLD x expected: the expectations are estimates from a few
+#: measured rates, so a margin keeps a healthy request from ever being called slow.
+THRESHOLD = 2.0
 
 #: (symptom, what it points to) for each phase, in the words of the table above.
 TABLE = {
@@ -54,35 +68,105 @@ TABLE = {
         "slow on a shared machine",
         "threads: {threads} BLAS threads compete with other processes "
         "for {cores} cores, and a BLAS thread that loses its core stalls every matrix multiply; "
-        "run with --threads 1 (minillm.load(..., threads=1))",
+        "run with --threads {fix} (minillm.load(..., threads={fix}))",
     ),
 }
 
-#: Other processes using at least this share of all cores' time during a request make its
-#: forward passes compete for the cores (on 2 cores: half a core).
-BUSY_SHARE = 0.25
-
-#: Prompts at least this long can make prefill dominate on their own; a short prompt that still
-#: dominates on the first request points to missing warm-up instead.
+#: A prompt shorter than this is never "long input", however long its first token took.
 LONG_PROMPT_TOKENS = 128
+
+#: Other processes keeping at least this many cores busy count as a neighbour (half a core).
+BUSY_CORES = 0.5
+
+
+@dataclass
+class PhaseCheck:
+    """One row of the table: a phase's measured and expected seconds."""
+
+    phase: str  # "loading", "prefill" (TTFT), "decode" (TPOT at this context)
+    measured_s: float
+    expected_s: float | None  # None: nothing to expect it from
+
+    @property
+    def ratio(self) -> float:
+        """measured / expected (NaN without an expectation)."""
+        return self.measured_s / self.expected_s if self.expected_s else float("nan")
+
+    @property
+    def slow(self) -> bool:
+        return self.ratio > THRESHOLD  # NaN compares False: no expectation, no finding
 
 
 @dataclass
 class Diagnosis:
-    """Which phase dominated a request, and every finding (first = the main one)."""
+    """What a request's measurements say: the table of phases, and every finding (first = main).
+
+    ``findings`` is empty for a healthy request (:attr:`healthy`).
+    """
 
     phase_seconds: dict[str, float]  # loading, warm-up, prefill (= TTFT), decode: seconds
-    dominant: str  # key of TABLE
+    dominant: str  # the largest phase: shown, never a finding by itself
+    checks: list[PhaseCheck] = field(default_factory=list)
     findings: list[tuple[str, str, str]] = field(default_factory=list)  # (phase, symptom, points to)
+    threshold: float = THRESHOLD
 
     @property
     def main(self) -> tuple[str, str, str]:
         return self.findings[0]
 
+    @property
+    def healthy(self) -> bool:
+        return not self.findings
+
+
+def contention(others_cpu_share: float, blas_threads: int | None, cores: int | None = None) -> int | None:
+    """The thread count to advise when the BLAS's threads cannot each have a core, else None.
+
+    Other processes keep ``others_cpu_share * cores`` cores busy. When that is at least
+    :data:`BUSY_CORES` and, added to the BLAS's threads, exceeds the cores, some BLAS thread waits
+    for a core and every multiply waits for it. Advise the threads that fit beside the neighbours
+    (at least 1). The rule scales with the core count: on 2 cores, a neighbour using a quarter of
+    the machine's time (half a core) is enough against 2 threads; on 64 cores with 8 threads it
+    takes 56.5 busy cores.
+    """
+    cores = cores or os.cpu_count() or 1
+    threads = blas_threads or 1
+    if threads <= 1 or not others_cpu_share >= 0:  # NaN: unknown
+        return None
+    busy = others_cpu_share * cores
+    if busy < BUSY_CORES or busy + threads <= cores:
+        return None
+    return max(1, min(threads - 1, cores - math.ceil(busy)))
+
+
+def first_request_slower(history: list[dict]) -> tuple[str, float] | None:
+    """Whether the first request on a model ran slower than the later ones: compares its TPOT and
+    its prefill seconds per token with the median of the later requests' (prefill only against
+    prompts of similar length, within 2x: per-token prefill cost falls with length).
+
+    Returns:
+        ``(what, ratio)`` for the larger ratio above :data:`THRESHOLD`, else None (also with
+        fewer than two requests: nothing to compare yet).
+    """
+    if len(history) < 2:
+        return None
+    first, later = history[0], history[1:]
+    found = []
+    tpots = [h["tpot_s"] for h in later if h["tpot_s"] == h["tpot_s"]]
+    if tpots and first["tpot_s"] == first["tpot_s"]:
+        found.append(("TPOT", first["tpot_s"] / statistics.median(tpots)))
+    n = first["prompt_tokens"]
+    similar = [h["prefill_s_per_token"] for h in later if n / 2 <= h["prompt_tokens"] <= 2 * n]
+    if similar:
+        found.append(("prefill per token", first["prefill_s_per_token"] / statistics.median(similar)))
+    worst = max(found, key=lambda f: f[1], default=None)
+    return worst if worst is not None and worst[1] > THRESHOLD else None
+
 
 def diagnose(
     metrics: RequestMetrics,
     *,
+    expected: dict[str, float] | None = None,
     load_s: float | None = None,
     warmup_s: float | None = None,
     first_request: bool = False,
@@ -91,27 +175,43 @@ def diagnose(
     load_source: str | None = None,
     blas_threads: int | None = None,
     others_cpu_share: float = float("nan"),
+    load_others_cpu_share: float = float("nan"),
+    history: list[dict] | None = None,
+    cores: int | None = None,
+    weight_seconds: dict[str, float] | None = None,
 ) -> Diagnosis:
-    """Name the phase that dominated and what it points to.
+    """Say whether any phase was slow, and what it points to.
 
     Args:
         metrics: the request's measurements (TTFT and decode step times, seconds).
-        load_s: seconds the model took to load.
+        expected: seconds each phase should take on this machine (``calibrate.py``):
+            ``"loading"`` (from local files), ``"prefill"`` (TTFT for this prompt), ``"decode"``
+            (TPOT at this request's mean context). A phase without one is shown, never judged.
+            ``"prefill_one_token"``: the TTFT a one-token prompt should take; a prompt of at least
+            :data:`LONG_PROMPT_TOKENS` whose TTFT exceeds 2x that is "long input delays the first
+            token" (the wait is the prompt's length, even when prefill ran as fast as it should).
+        load_s: seconds the model took to load (only a first request waited for it).
         warmup_s: seconds of the warm-up request; None when warm-up was skipped.
-        first_request: True for the first request since load. Only then do loading and warm-up
-            count: a later request did not wait for them.
+        first_request: True for the first request since load.
         text: the output text, checked for odd fragments (U+FFFD, leaked special tokens).
         special_tokens: the tokenizer's special-token strings (e.g. ``<|im_end|>``).
-        load_source: where the model came from (``ResolvedModel.source``: "cache" and "local" mean
-            no download or conversion happened).
+        load_source: where the model came from (``"cache"`` and ``"local"``: no download).
         blas_threads: the BLAS's thread count; with ``others_cpu_share`` it tells whether the
             forward passes competed with other processes for the cores.
         others_cpu_share: the share (0..1) of all cores' time other processes used during the
-            request (``metrics.others_cpu_share``); NaN when unknown.
+            request; NaN when unknown.
+        load_others_cpu_share: the same while the model loaded (a first request's slow load may be
+            the neighbours' doing too); NaN when unknown.
+        history: the model's per-token rates of every request so far, this one last
+            (``Model.history``): for "first request slow; later ones improve".
+        cores: the machine's cores (default ``os.cpu_count()``).
+        weight_seconds: how the weights' load split (``Weights.seconds``: ``read``, ``convert``):
+            a slow load says which part was slow.
 
     Returns:
-        :class:`Diagnosis`; ``findings[0]`` is the main one.
+        :class:`Diagnosis`; no findings when the request was healthy.
     """
+    expected = expected or {}
     decode_s = float(sum(metrics.decode_step_s))
     startup = 1.0 if first_request else 0.0
     phases = {
@@ -121,42 +221,101 @@ def diagnose(
         "decode": decode_s,
     }
     dominant = max(phases, key=phases.get)
-    # A short prompt cannot make prefill slow by itself: on a cold first request it is warm-up.
-    if dominant == "prefill" and warmup_s is None and first_request and metrics.prompt_tokens < LONG_PROMPT_TOKENS:
-        dominant = "warm-up"
-    if dominant == "warm-up" and warmup_s is not None:
-        # The warm-up ran and was the slowest phase: its one-time costs were paid before "ready".
-        findings = [
-            (
-                "warm-up",
-                "slow to become ready (warm-up)",
-                "warm-up: one-time costs (weights paged "
-                "in, BLAS threads started) were paid before 'ready', so requests do not pay them",
-            )
-        ]
-    elif dominant == "loading" and load_source in ("cache", "local"):
-        findings = [(dominant, *TABLE["loading (cached)"])]
-    else:
-        findings = [(dominant, *TABLE[dominant])]
-    share = others_cpu_share
-    if dominant in ("prefill", "decode") and (blas_threads or 1) > 1 and share >= BUSY_SHARE:
-        # A BLAS thread that loses its core stalls every multiply (lesson 8 measures it).
-        symptom, points_to = TABLE["threads"]
-        if dominant == "prefill" and metrics.prompt_tokens < LONG_PROMPT_TOKENS:
-            findings = [f for f in findings if f[0] != "prefill"]  # a short prompt is not why
-        findings.insert(
-            0,
-            (
-                "threads",
-                f"{symptom} (other processes used {share:.0%} of the cores)",
-                points_to.format(threads=blas_threads, cores=os.cpu_count() or "?"),
-            ),
-        )
-    if dominant != "warm-up" and warmup_s is None and first_request:
-        findings.append(("warm-up", *TABLE["warm-up"]))
+    checks = []
+    if first_request and load_s is not None:
+        checks.append(PhaseCheck("loading", load_s, expected.get("loading")))
+    checks.append(PhaseCheck("prefill", metrics.ttft_s, expected.get("prefill")))
+    if metrics.decode_step_s:
+        checks.append(PhaseCheck("decode", metrics.tpot_s, expected.get("decode")))
+    slow = {c.phase: c for c in checks if c.slow}
+
+    findings = []
     leaked = [s for s in special_tokens if s and s in text]
     if "\ufffd" in text or leaked:
         what = "U+FFFD in the output" if "\ufffd" in text else f"special tokens in the text: {leaked}"
         symptom, points_to = TABLE["tokenizer"]
-        findings.insert(0, ("tokenizer", f"{symptom} ({what})", points_to))
-    return Diagnosis(phases, dominant, findings)
+        findings.append(("tokenizer", f"{symptom} ({what})", points_to))
+    fix = contention(others_cpu_share, blas_threads, cores)
+    if fix is not None:  # whatever phase dominated: a stalled BLAS thread slows every phase
+        symptom, points_to = TABLE["threads"]
+        findings.append(
+            (
+                "threads",
+                f"{symptom} (other processes used {others_cpu_share:.0%} of the cores)",
+                points_to.format(threads=blas_threads, cores=cores or os.cpu_count() or "?", fix=fix),
+            )
+        )
+
+    def because(c: PhaseCheck) -> str:
+        return f" ({c.measured_s:.3g} s, {c.ratio:.1f}x the {c.expected_s:.3g} s expected; threshold {THRESHOLD:g}x)"
+
+    if "loading" in slow:
+        key = "loading (cached)" if load_source in ("cache", "local") else "loading"
+        symptom, points_to = TABLE[key]
+        parts = {k: v for k, v in (weight_seconds or {}).items() if k in ("read", "map", "convert")}
+        if parts:
+            symptom += "; weights " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
+            mostly_weights = sum(parts.values()) >= 0.5 * (load_s or 0.0)  # else the time went elsewhere
+            if mostly_weights and parts.get("convert", 0.0) > 2 * max(parts.get("read", 0.0), 1e-9):
+                points_to = (
+                    "loading: most of it laying the weights out in fresh memory, where the kernel finds and "
+                    "zeroes new pages; slow when memory is busy or fragmented (load(..., mmap=True) skips the copy)"
+                )
+        findings.append(("loading", symptom + because(slow["loading"]), points_to))
+    short_s = expected.get("prefill_one_token")
+    long_input = (
+        metrics.prompt_tokens >= LONG_PROMPT_TOKENS and short_s and metrics.ttft_s > THRESHOLD * short_s
+    )  # the first token waited for the prompt: more than 2x what a one-token prompt should take
+    if "prefill" in slow and first_request and warmup_s is None:  # one-time costs land on the first pass
+        symptom, points_to = TABLE["warm-up"]
+        findings.append(("warm-up", f"{symptom}: no warm-up ran" + because(slow["prefill"]), points_to))
+    elif long_input:
+        symptom, points_to = TABLE["prefill"]
+        c = next(c for c in checks if c.phase == "prefill")
+        for_length = f"; {c.ratio:.1f}x what this length should take here" if c.expected_s else ""
+        findings.append(
+            (
+                "prefill",
+                f"{symptom}: {metrics.prompt_tokens:,} tokens ({metrics.ttft_s:.3g} s, "
+                f"{metrics.ttft_s / short_s:.0f}x a one-token prompt's {short_s:.3g} s{for_length}; "
+                f"threshold {THRESHOLD:g}x)",
+                points_to,
+            )
+        )
+    elif "prefill" in slow:  # neither cold nor long: the prompt's length is not why
+        findings.append(
+            (
+                "prefill",
+                f"slow first token for this prompt: {metrics.prompt_tokens:,} tokens" + because(slow["prefill"]),
+                "prefill: slower than this machine manages for this length; a busy machine (others' CPU above), "
+                "BLAS threads, or one-time costs",
+            )
+        )
+    if "decode" in slow:
+        symptom, points_to = TABLE["decode"]
+        findings.append(("decode", f"{symptom}: TPOT" + because(slow["decode"]), points_to))
+    n = cores or os.cpu_count() or 1
+    shares = [others_cpu_share] + ([load_others_cpu_share] if "loading" in slow else [])
+    share = max((x for x in shares if x == x), default=float("nan"))  # the busiest of the slow phases' windows
+    if fix is None and share * n >= BUSY_CORES and slow:
+        # The slow phases shared the cores: they may be the neighbours' doing, not the model's.
+        findings.append(
+            (
+                "shared machine",
+                f"measured on a busy machine (other processes used {share:.0%} of the cores)",
+                "the slow phases shared the cores with other processes, so they are not the model's alone; "
+                "measure again when the machine is quieter",
+            )
+        )
+    earlier = first_request_slower(history or [])
+    if earlier is not None:
+        what, ratio = earlier
+        symptom, points_to = TABLE["warm-up"]
+        findings.append(
+            (
+                "warm-up",
+                f"{symptom}; later ones improve (its {what} was {ratio:.1f}x the later requests' median)",
+                points_to,
+            )
+        )
+    return Diagnosis(phases, dominant, checks, findings)

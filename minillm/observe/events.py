@@ -10,6 +10,8 @@ no tracing work at all.
 Phases, in the order a request meets them::
 
     load -> warmup -> prepare -> tokenize -> prefill -> decode (one per step) -> stop -> summary
+
+(``minillm chat --file`` adds an ``attach`` event before ``prepare``: the document's size in tokens.)
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class Tracer:
         self.events: list[TraceEvent] = []
         self._renderer = None
         self._cpu_at_start = None
+        self._cpu_at_creation = cpu_snapshot()  # a tracer made before load measures others' share over it
+        self._load_share = float("nan")
         if console is not None and verbosity != "quiet":
             self._renderer = Renderer(console, self, live=console.is_terminal if live is None else live)
 
@@ -89,12 +93,16 @@ class Tracer:
             return
         if phase == "prepare":
             self._cpu_at_start = cpu_snapshot()  # to measure other processes' share during the request
+        if phase == "load":  # others' share while loading (from this tracer's creation: made before load)
+            self._load_share = others_cpu_share(self._cpu_at_creation, cpu_snapshot())
+            facts = {**facts, "others_cpu_share": self._load_share}
         if phase == "summary":
             facts = {
                 **facts,
                 "others_cpu_share": others_cpu_share(self._cpu_at_start, cpu_snapshot())
                 if self._cpu_at_start
                 else float("nan"),
+                "load_others_cpu_share": self._load_share,
             }
         self.emit(phase, start - self.t0, duration, **getattr(describe, phase)(model, **facts))
 

@@ -20,6 +20,10 @@ if TYPE_CHECKING:  # the Tracer makes a Renderer: no import at run time, no cycl
     from minillm.observe.events import TraceEvent, Tracer
 
 
+#: A prompt's token table shows this many rows at each end unless verbosity is "full".
+TOKEN_ROWS_SHOWN = 10
+
+
 def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
     table = Table(title=title, title_justify="left", show_header=False, box=None, padding=(0, 2))
     table.add_column(style="cyan", no_wrap=True)
@@ -80,7 +84,11 @@ class Renderer:
             c.print(f"  note: {escape(note)}")
         c.print(_kv_table("config", list(d["config"].items())))
         w = d["weights"]
-        rows = [("parameters", f"{w['parameters']:,}"), ("as loaded", f"float32, {format_bytes(w['bytes_loaded'])}")]
+        how = "memory-mapped, paged in on first use" if w.get("mapped") else "in memory"
+        rows = [
+            ("parameters", f"{w['parameters']:,}"),
+            ("as loaded", f"float32, {format_bytes(w['bytes_loaded'])}, {how}"),
+        ]
         rows += [(f"stored {k}", f"{n:,} params, {format_bytes(w['bytes_stored'][k])}") for k, n in w["stored"].items()]
         if w.get("seconds"):
             rows.append(("seconds", ", ".join(f"{k} {v:.2f}" for k, v in w["seconds"].items())))
@@ -114,6 +122,13 @@ class Renderer:
         for blas in d.get("blas", []):
             c.print(f"BLAS: {escape(blas)}")
 
+    def _attach(self, e: TraceEvent) -> None:
+        d = e.data
+        self.console.print(
+            f"[bold]attached[/]: {escape(d['name'])}, {d['chars']:,} characters = {d['tokens']:,} tokens "
+            "(in the user message, before the prompt)"
+        )
+
     def _warmup(self, e: TraceEvent) -> None:
         d = e.data
         self.console.print(
@@ -139,7 +154,16 @@ class Renderer:
         for col, justify in (("pos", "right"), ("id", "right"), ("piece", "left")):
             table.add_column(col, justify=justify)
         specials = set(d.get("special_ids", ()))
-        for pos, (tid, piece) in enumerate(zip(d["ids"], d["pieces"], strict=True)):
+        rows = list(enumerate(zip(d["ids"], d["pieces"], strict=True)))
+        folded = 0
+        if self.tracer.verbosity != "full" and len(rows) > 2 * TOKEN_ROWS_SHOWN + 1:  # a long prompt: its ends
+            folded = len(rows) - 2 * TOKEN_ROWS_SHOWN
+            rows = rows[:TOKEN_ROWS_SHOWN] + [None] + rows[-TOKEN_ROWS_SHOWN:]
+        for row in rows:
+            if row is None:
+                table.add_row("", "", Text(f"… {folded:,} tokens folded (-v full shows every token)", style="dim"))
+                continue
+            pos, (tid, piece) = row
             table.add_row(str(pos), str(tid), Text(piece, style="bold yellow" if tid in specials else ""))
         self.console.print(table)
 
@@ -235,7 +259,7 @@ class Renderer:
         if m.get("weights_held"):
             c.print(self._held_table(m["weights_held"]))
         if "diagnosis" in m:
-            self._diagnosis(m["diagnosis"])
+            self._diagnosis(m["diagnosis"], m.get("calibration"))
 
     @staticmethod
     def _memory_table(m: dict) -> Table:
@@ -269,9 +293,37 @@ class Renderer:
             table.add_row(fmt, format_bytes(row["bytes"]), f"{row['bits_per_weight']:.2f}")
         return table
 
-    def _diagnosis(self, d: dict) -> None:
+    def _diagnosis(self, d: dict, calibration: dict | None = None) -> None:
         c = self.console
-        seconds = ", ".join(f"{k} {v:.2f} s" for k, v in d["phase_seconds"].items())
-        c.print(f"[bold]diagnosis[/]: dominated by [bold]{d['dominant']}[/]  ({seconds})")
+        threshold = d.get("threshold", 2.0)
+        c.print(f"[bold]diagnosis[/]: each phase against what this machine should take (slow above {threshold:g}x)")
+        table = Table(box=None, padding=(0, 2))
+        for col in ("phase", "measured", "expected", "ratio"):
+            table.add_column(col, justify="left" if col == "phase" else "right")
+        names = {"loading": "loading (local files)", "prefill": "TTFT (prefill)", "decode": "TPOT (decode)"}
+        for phase, measured, expected, ratio in d.get("checks", []):
+            slow = expected is not None and ratio > threshold
+            table.add_row(
+                names.get(phase, phase),
+                _seconds(measured),
+                "?" if expected is None else _seconds(expected),
+                "" if expected is None else Text(f"{ratio:.1f}x", style="bold red" if slow else "green"),
+            )
+        c.print(table)
+        if calibration:
+            share = calibration.get("others_cpu_share", float("nan"))
+            c.print(
+                f"[dim]expected from this machine's rates ({calibration['bandwidth_gb_s']:.1f} GB/s matrix-vector, "
+                f"{calibration['gemm_gflop_s']:.0f} GFLOP/s GEMM"
+                + ("" if share != share else f"; others used {share:.0%} of the cores while measuring")
+                + (f"; measured just now in {calibration['seconds']:.1f} s" if calibration.get("measured_now") else "")
+                + "; `minillm calibrate` redoes it)[/]"
+            )
+        if not d["findings"]:
+            c.print(f"[bold green]healthy[/]: every phase within {threshold:g}x of what this machine should take")
         for _phase, symptom, points_to in d["findings"]:
-            c.print(f"  {escape(symptom)} -> {escape(points_to)}")
+            c.print(f"  [bold]{escape(symptom)}[/] -> {escape(points_to)}")
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"

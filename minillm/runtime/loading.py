@@ -39,6 +39,9 @@ class Model:
     load_seconds: dict[str, float] = field(default_factory=dict)  # per step, seconds
     warmup_s: float | None = None  # seconds the warm-up took; None while none has run
     requests_served: int = 0  # real requests since load (the warm-up is not counted)
+    # Per-token rates of every request served, oldest first: {"prompt_tokens", "prefill_s_per_token",
+    # "tpot_s"} (seconds). The diagnosis compares the first request with the later ones.
+    history: list[dict] = field(default_factory=list)
     adapters: list[LoraAdapter] = field(default_factory=list)  # LoRA adapters loaded with the model
     threads: int | None = None  # BLAS threads asked for at load; None: the BLAS default (all cores)
 
@@ -92,6 +95,7 @@ def load(
     merge_adapters: bool = True,
     threads: int | None = None,
     weight_dtype: str = "float32",
+    mmap: bool = False,
 ) -> Model:
     """Load a model by manifest name (fetched and cached on first use) or from a local folder.
 
@@ -119,9 +123,17 @@ def load(
             held at ``weight_dtype``; ``"gguf"`` refuses merging (packed blocks cannot absorb a
             delta) and runs unmerged adapters beside the packed matrices.
 
+        mmap: leave the weights memory-mapped, as the safetensors file lays them out (llama.cpp's
+            default): loading reads only the headers, and the first forward pass pages every
+            weight in from the page cache or the disk. That cost lands on the first request unless
+            a warm-up pays it (lesson 8 measures both). Float32 files only.
+
     Raises:
         InvalidRequestError: ``threads`` is not a whole number >= 1; an unknown ``weight_dtype``;
-            ``weight_dtype="gguf"`` with adapters to merge.
+            ``weight_dtype="gguf"`` with adapters to merge; ``mmap=True`` with adapters to merge (a
+            read-only map cannot be written: pass ``merge_adapters=False``) or with a ``weight_dtype``
+            other than float32 (a map is the file's own float32 bytes).
+        WeightsError: ``mmap=True`` on a file that is not float32 (it would need a converted copy).
         ModelNotFoundError, DownloadError, ChecksumMismatchError: while resolving the model.
         ConfigError, WeightsError, TokenizerError: while reading the folder.
         AdapterError: an adapter is missing files, unsupported, or does not fit the model.
@@ -130,6 +142,16 @@ def load(
 
     set_blas_threads(threads)
     check_weight_dtype(weight_dtype, adapters=bool(adapters), merge_adapters=merge_adapters)
+    if mmap and adapters and merge_adapters:
+        raise InvalidRequestError(
+            "mmap=True leaves the weights as read-only views of the file, so adapters cannot be merged "
+            "into them; pass merge_adapters=False (computed beside the weights) or load without mmap."
+        )
+    if mmap and weight_dtype != "float32":
+        raise InvalidRequestError(
+            f"mmap=True maps the file's own float32 bytes, so it cannot hold them as {weight_dtype!r}; "
+            "pass weight_dtype='float32' or load without mmap."
+        )
     t0 = time.perf_counter()
     name = name_or_path if name_or_path is not None else default_model_name()
     resolved = resolve_model(name, progress=progress)
@@ -138,7 +160,7 @@ def load(
     if weight_dtype == "gguf":
         weights = load_gguf_weights(resolve_gguf(name, progress=progress), config)
     else:
-        weights = load_weights(resolved.path, config)
+        weights = load_weights(resolved.path, config, mmap=mmap)
     t2 = time.perf_counter()
     loaded = _load_adapters(adapters or [], merge_adapters, config, weights, resolved)
     if weight_dtype in ("bfloat16", "int8"):  # after merging: adapters fold into float32 rows first

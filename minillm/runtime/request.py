@@ -57,6 +57,15 @@ class RequestMetrics:
     def decode_tokens_per_s(self) -> float:
         return 1.0 / self.tpot_s if self.decode_step_s else float("nan")
 
+    def rates(self) -> dict:
+        """The per-token rates ``Model.history`` keeps: prompt tokens, TTFT seconds per prompt token,
+        mean TPOT seconds (NaN without decode steps)."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_s_per_token": self.ttft_s / max(self.prompt_tokens, 1),
+            "tpot_s": self.tpot_s,
+        }
+
     def to_dict(self) -> dict:
         """Every field and derived rate, as plain data."""
         d = {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -389,6 +398,7 @@ class Request:
             first_request=model.requests_served == 0,
         )
         model.requests_served += 1
+        model.history.append(self.metrics.rates())
         return GenerationResult(
             self.output.text, self.new_ids, self.prompt_ids.tolist(), reason, self.metrics, self.condition
         )

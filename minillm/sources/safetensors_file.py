@@ -67,6 +67,36 @@ class StoredTensor:
             raise _unreadable(self.file, exc) from None
         return values.astype(np.float32, copy=False)  # F32: already it; F16/BF16: exact; F64: rounded
 
+    def mapped(self, maps: dict) -> np.ndarray:
+        """The values as a read-only float32 view of the file, memory-mapped: no byte is read
+        until the forward touches it (the kernel pages it in then, and may drop it again under
+        memory pressure: it is the file's page cache, not the process's own memory).
+
+        Raises:
+            WeightsError: the tensor is not float32 (a mapped view cannot be converted; load
+                without ``mmap=True``, or convert the checkpoint to float32).
+        """
+        if self.dtype != "F32":
+            raise WeightsError(
+                f"{self.file.name} stores tensor {self.name!r} as {dtype_name(self.dtype)}; a memory-mapped "
+                "load (mmap=True) uses the file's bytes as they are, so it needs float32 tensors. Load "
+                "without mmap=True (the tensors are converted to float32 in memory), or save the "
+                "checkpoint as float32."
+            )
+        if self.file not in maps:  # one map per file and load; the views keep it alive, nothing else does
+            maps[self.file] = _mapping(self.file)
+        mm, offsets = maps[self.file]
+        return np.ndarray(self.shape, dtype=np.float32, buffer=mm, offset=offsets[self.name])
+
+
+def _mapping(file: Path) -> tuple[np.memmap, dict[str, int]]:
+    """A read-only map of the file, and each tensor's byte offset in it (from the header)."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")  # the header's length; safetensors checked it
+        header = json.loads(f.read(n))
+    offsets = {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    return np.memmap(file, dtype=np.uint8, mode="r"), offsets
+
 
 def _unreadable(file: Path, exc: Exception) -> WeightsError:
     return WeightsError(f"cannot read {file}: {exc}; the file is corrupt or truncated. Re-download it.")
