@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from minillm.observe.metrics import format_bytes
+from minillm.observe.metrics import WEIGHT_FORMATS, bits_per_weight, format_bytes
 
 if TYPE_CHECKING:  # the Tracer makes a Renderer: no import at run time, no cycle
     from minillm.observe.events import TraceEvent, Tracer
@@ -272,12 +272,12 @@ class Renderer:
         )
         for col in ("weights as", "bits", "bytes", "KV as", "per token", "full context"):
             table.add_column(col, justify="left" if col in ("weights as", "KV as") else "right")
-        params, weights, kv = m["parameters"], list(m["weight_bytes"].items()), list(m["kv_bytes"].items())
+        weights, kv = list(m["weight_bytes"].items()), list(m["kv_bytes"].items())
         for i in range(max(len(weights), len(kv))):
             w = ("", "", "")
             if i < len(weights):
                 name, nbytes = weights[i]
-                w = (name, f"{8 * nbytes / params:.2f}", format_bytes(nbytes))
+                w = (name, f"{bits_per_weight(WEIGHT_FORMATS[name]):.2f}", format_bytes(nbytes))
             k = (kv[i][0], format_bytes(kv[i][1][0]), format_bytes(kv[i][1][1])) if i < len(kv) else ("", "", "")
             table.add_row(*w, *k)
         return table
