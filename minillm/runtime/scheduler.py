@@ -153,6 +153,7 @@ class Scheduler:
             self._finish(request)
         rows, admitted, preempted = self.schedule()
         starts = [request.seq.length for request, _ in rows]
+        fed = None if self.listener is None else [_row_facts(r, n, s) for (r, n), s in zip(rows, starts, strict=True)]
         if rows:
             chunks = [
                 (np.asarray(r.seen[s : s + n], dtype=np.int64), r.seq) for (r, n), s in zip(rows, starts, strict=True)
@@ -170,7 +171,7 @@ class Scheduler:
                         self._finish(request)
         self.steps += 1
         if self.listener is not None:
-            self._tell(t0, rows, starts, admitted, preempted, finished)
+            self._tell(t0, fed, admitted, preempted, finished)
         return finished
 
     def _finish(self, request: BatchRequest) -> None:
@@ -188,7 +189,7 @@ class Scheduler:
             request.cancel(why)
             self._finish(request)
 
-    def _tell(self, t0, rows, starts, admitted, preempted, finished) -> None:
+    def _tell(self, t0, fed, admitted, preempted, finished) -> None:
         pool = self.pool
         self.listener.on_event(
             "batch_step",
@@ -197,26 +198,30 @@ class Scheduler:
             self.model,
             {
                 "step": self.steps,
-                "rows": [
-                    {
-                        "request": r.index,
-                        "tokens": n,
-                        "start": s,
-                        "kind": "decode" if s >= len(r.prompt_ids) and n == 1 else "prefill",
-                        "recompute": r.metrics.preemptions > 0 and s < len(r.seen) - 1,
-                    }
-                    for (r, n), s in zip(rows, starts, strict=True)
-                ],
+                "rows": fed,
                 "admitted": {r.index: r.seq.cached_tokens for r in admitted},
                 "preempted": [r.index for r in preempted],
                 "finished": [r.index for r in finished],
                 "waiting": [r.index for r in self.waiting],
                 "tables": {r.index: list(r.seq.block_table) for r in self.running},
                 "ref_count": list(pool.ref_count),
-                "cached_free": sum(1 for b in pool.free_blocks if pool.block_hash[b] is not None),
+                "cached_free": [b for b in pool.free_blocks if pool.block_hash[b] is not None],
                 "blocks_used": pool.num_used_blocks,
                 "blocks_free": pool.num_free_blocks,
                 "blocks_total": pool.num_blocks,
                 "block_size": pool.block_size,
             },
         )
+
+
+def _row_facts(request: BatchRequest, n: int, start: int) -> dict:
+    """What one row of a step feeds: a decode (the last sampled token) or a prefill chunk, and
+    whether it recomputes a preempted request's tokens."""
+    decode = bool(request.new_ids) and start == len(request.seen) - 1
+    return {
+        "request": request.index,
+        "tokens": n,
+        "start": start,
+        "kind": "decode" if decode else "prefill",
+        "recompute": request.metrics.preemptions > 0 and not decode,
+    }
