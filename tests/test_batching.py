@@ -211,3 +211,22 @@ def test_bad_batches_get_clear_errors_before_any_model_work(smollm2, monkeypatch
     with pytest.raises(KVCachePoolTooSmall, match=r"request 1: .*40 tokens .* 47 positions = 3 blocks of 16.*holds 1"):
         gb(smollm2, ["Hi", prompt], max_new_tokens=8, kv_cache_mib=1)
     assert calls == []
+
+
+# --- the benchmark's arithmetic ------------------------------------------------------------------
+def test_batching_benchmark_bounds_by_hand_and_a_quick_run(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is not installed
+    from benchmarks import batching
+
+    # 8 rows, 500 MB of weights, 125 M parameters, 46,080 bytes per position at context 100, 50 GB/s,
+    # 100 GFLOP/s: memory (500e6 + 8 * 100 * 46,080) / 50e9 = 10.737 ms; compute 2 * 125e6 * 8 / 1e11
+    # = 20 ms; the ceiling is 8 rows / 20 ms = 400 tokens/s (compute-bound).
+    b = batching.step_bounds(8, 500_000_000, 125_000_000, 46_080, 100, 50e9, 100e9)
+    assert b["memory_s"] == pytest.approx(0.01073728) and b["compute_s"] == pytest.approx(0.02)
+    assert b["ceiling_tokens_s"] == pytest.approx(400.0)
+    report = batching.main(["--quick", "--json", str(tmp_path / "b.json")])
+    assert [r["batch"] for r in report["rows"]] == [1, 2]
+    assert (tmp_path / "b.json").exists() and report["rows"][0]["tokens_s"] > 0

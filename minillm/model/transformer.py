@@ -16,8 +16,11 @@ Read top to bottom: ``forward`` embeds the tokens and runs every ``decoder_layer
     logits = norm(x) @ W_head.T [soft-capped, if final_logit_softcapping is set]
 
 ``prefill`` and ``decode_step`` (``runtime/steps.py``) both call :meth:`Transformer.forward`; they
-differ only in how many positions they feed. The positions come from the cache's ``length``, and
-the masks use the same rule with that offset (``primitives.causal_mask``).
+differ only in how many positions they feed. :meth:`Transformer.forward_batch` runs several
+sequences through the same lines: their rows stacked for every projection, attention per sequence
+(the ``attend`` object a layer is given: :class:`SequenceAttention` or :class:`BatchAttention`).
+The positions come from the cache's ``length``, and the masks use the same rule with that offset
+(``primitives.causal_mask``).
 
 Every family runs through the same lines; where one differs, a flag of ``ModelConfig`` says so
 (set in ``families.py``). The math is ``primitives.py``; the weights' layout is ``weights.py``.
@@ -216,7 +219,7 @@ class Transformer:
         """The residual stream ``[seq, d_model]`` -> logits ``[seq, vocab]``: final norm, LM head, soft-cap."""
         cfg, w = self.config, self.weights
         x = self.norm(x, w.final_norm, w.final_norm_bias)
-        logits = x @ w.lm_head.T  # [seq, d_model] @ [d_model, vocab] -> [seq, vocab]
+        logits = primitives.linear(x, w.lm_head)  # [seq, d_model] @ [d_model, vocab] -> [seq, vocab]
         if cfg.final_logit_softcapping is not None:
             logits = primitives.softcap(logits, cfg.final_logit_softcapping)
         return logits
