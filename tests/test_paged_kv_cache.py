@@ -204,3 +204,52 @@ def test_bad_pool_arguments_name_the_numbers_and_the_fix(smollm2):
     pool.grow(seq, 4)
     with pytest.raises(KVCacheFullError, match="holds 1 blocks .* 0 are filled and 5 more"):
         seq.check_room(5)
+
+
+# --- the batched forward over paged sequences, on tiny models of two families ----------------------
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    """test_families' Gemma 3 case: sliding window 8 on 3 of 4 layers, QK-norm, local RoPE base."""
+    from test_families import CASES, build
+
+    folder, hf = build(CASES["gemma3"], tmp_path_factory.mktemp("tiny-gemma3-batch"))
+    config = ModelConfig.from_folder(folder)
+    return hf, Transformer(config, load_weights(folder, config))
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3"])
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_forward_batch_rows_equal_each_sequence_alone_and_transformers(family, data, request):
+    """2-5 sequences with 1-30 cached positions each (paged, or a contiguous cache), then one
+    forward_batch where each feeds a decode row or a chunk of 2-5 tokens: every row within 1e-5 of
+    the sequence run alone, and within 1e-4 of transformers' full forward at that position. Decode
+    rows of one pool are attended together, padded to the longest context (with Gemma 3's window of
+    8, most keys of long sequences are masked out)."""
+    hf, model = request.getfixturevalue(family)
+    vocab = model.config.vocab_size
+    pool = KVCachePool(
+        model.config.num_hidden_layers,
+        model.config.num_key_value_heads,
+        model.config.head_dim,
+        num_blocks=200,
+        block_size=data.draw(st.sampled_from([1, 4, 16]), label="block size"),
+    )
+    chunks, expected_alone, expected_hf = [], [], []
+    for j in range(data.draw(st.integers(2, 5), label="sequences")):
+        past = data.draw(st.integers(1, 30), label=f"cached {j}")
+        feed = data.draw(st.sampled_from([1, 1, 2, 5]), label=f"fed {j}")
+        ids = np.asarray(data.draw(st.lists(st.integers(0, vocab - 1), min_size=past + feed, max_size=past + feed)))
+        contiguous = data.draw(st.booleans(), label=f"contiguous {j}")
+        cache = KVCache.for_model(model.config, 64) if contiguous else pool.sequence(64)
+        if not contiguous:
+            pool.grow(cache, past + feed)
+        model.forward(ids[:past], cache)
+        alone = KVCache.for_model(model.config, 64)
+        model.forward(ids[:past], alone)
+        expected_alone.append(model.forward(ids[past:], alone))
+        expected_hf.append(hf_logits(hf, ids)[past:])
+        chunks.append((ids[past:], cache))
+    got = model.forward_batch(chunks, all_logits=True)
+    np.testing.assert_allclose(got, np.concatenate(expected_alone), atol=1e-5, rtol=0)
+    assert np.abs(got - np.concatenate(expected_hf)).max() < 1e-4

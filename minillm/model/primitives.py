@@ -207,17 +207,20 @@ def attention(
 
     Query head ``h`` reads kv head ``h // group`` (HF's ``repeat_kv`` order). Instead of copying
     k and v ``group`` times we fold the group into the query rows: one matmul per kv head.
+    Leading axes are carried through: ``q`` ``[B, n_heads, seq, head_dim]``, ``k``/``v``
+    ``[B, n_kv_heads, ctx, head_dim]`` and ``mask`` ``[B, 1, seq, ctx]`` attend ``B`` sequences
+    at once (the batched decode step: each its own keys, padded to one ``ctx``, and its own mask).
     """
-    n_heads, seq, head_dim = q.shape
-    n_kv_heads, ctx, _ = k.shape
+    *lead, n_heads, seq, head_dim = q.shape
+    n_kv_heads, ctx = k.shape[-3], k.shape[-2]
     group = n_heads // n_kv_heads
-    q = q.reshape(n_kv_heads, group * seq, head_dim) * np.float32(scale)  # scale the smaller side
-    scores = q @ k.transpose(0, 2, 1)  # [n_kv_heads, group*seq, ctx]
-    scores = scores.reshape(n_heads, seq, ctx)  # [n_heads, seq, ctx]
+    q = q.reshape(*lead, n_kv_heads, group * seq, head_dim) * np.float32(scale)  # scale the smaller side
+    scores = q @ np.swapaxes(k, -1, -2)  # [..., n_kv_heads, group*seq, ctx]
+    scores = scores.reshape(*lead, n_heads, seq, ctx)  # [..., n_heads, seq, ctx]
     scores += mask  # in place: no second [n_heads, seq, ctx] array
     pattern = softmax(scores, axis=-1, out=scores)
-    z = pattern.reshape(n_kv_heads, group * seq, ctx) @ v  # [n_kv_heads, group*seq, head_dim]
-    return z.reshape(n_heads, seq, head_dim), pattern
+    z = pattern.reshape(*lead, n_kv_heads, group * seq, ctx) @ v  # [..., n_kv_heads, group*seq, head_dim]
+    return z.reshape(*lead, n_heads, seq, head_dim), pattern
 
 
 # --- projections, activations and MLPs ------------------------------------------------------------
