@@ -107,11 +107,15 @@ def products_alone(model, batch: int, repeats: int) -> dict:
     return best
 
 
-def torch_batched_decode(model, batch: int, prompt_tokens: int, new_tokens: int) -> float:
+def torch_batched_decode(model, batch: int, prompt_tokens: int, new_tokens: int, threads: int = 1) -> float:
     """transformers' ``generate`` on ``batch`` left-padded prompts, greedy: decode tokens/s from
-    ``(T(new_tokens) - T(1)) / (batch * (new_tokens - 1))``, best of 2."""
+    ``(T(new_tokens) - T(1)) / (batch * (new_tokens - 1))``, best of 2. torch gets ``threads``
+    threads like minillm's BLAS (threadpoolctl does not reach torch's own pool; left alone, it
+    spins one thread per core and, on a shared machine, measured 4 tokens/s instead of 100)."""
     import torch
     import transformers
+
+    torch.set_num_threads(threads)
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
@@ -192,7 +196,9 @@ def run(args) -> dict:
         batch = 8
         report["torch"] = {
             "batch": batch,
-            "transformers_tokens_s": torch_batched_decode(model, batch, args.prompt_tokens, args.torch_new_tokens),
+            "transformers_tokens_s": torch_batched_decode(
+                model, batch, args.prompt_tokens, args.torch_new_tokens, args.threads
+            ),
             "minillm_tokens_s": minillm_batched_decode(model, batch, args.prompt_tokens, args.torch_new_tokens),
         }
         t = report["torch"]
