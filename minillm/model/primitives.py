@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -224,8 +225,11 @@ def attention(
 
 
 # --- projections, activations and MLPs ------------------------------------------------------------
-#: A product with 2..FEW_ROWS rows (a batch of decode rows, a short chunk) takes :func:`few_rows_product`.
+#: In a batched forward pass (``Transformer.forward_batch`` sets this), a product with 2..FEW_ROWS
+#: rows takes :func:`few_rows_product`. A one-sequence ``forward`` keeps the plain product: its
+#: numbers and speed stay those lesson 1 measured.
 FEW_ROWS = 64
+BATCHED: ContextVar[bool] = ContextVar("batched", default=False)
 #: Bytes of weight rows per product in :func:`few_rows_product`: a slice that stays in the L2 cache
 #: (2 MiB per core here) while every input row passes over it.
 FEW_ROWS_SLICE_BYTES = 256 * 1024
@@ -236,11 +240,11 @@ def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndar
 
     ``w.T`` is a view (no copy): BLAS reads ``w``'s rows, so in decode each output is a dot
     product over contiguous memory (why this layout: ``weights.py``). One row is a matrix-vector
-    product; 2 to ``FEW_ROWS`` rows go through :func:`few_rows_product` (the same numbers, summed in
-    another order: float32 rounding apart); more rows are one general matrix product.
+    product; in a batched pass 2 to ``FEW_ROWS`` rows go through :func:`few_rows_product` (the same
+    numbers, summed in another order: float32 rounding apart); otherwise one general matrix product.
     """
-    rows = x.shape[0]
-    y = few_rows_product(x, w) if 1 < rows <= FEW_ROWS else x @ w.T  # [seq, in] @ [in, out] -> [seq, out]
+    few = 1 < x.shape[0] <= FEW_ROWS and BATCHED.get()
+    y = few_rows_product(x, w) if few else x @ w.T  # [seq, in] @ [in, out] -> [seq, out]
     if b is not None:
         y += b  # in place: the product is a fresh array, no second allocation
     return y

@@ -196,14 +196,18 @@ class Transformer:
         bounds = np.cumsum([0] + [len(t) for t in ids])  # sequence j owns rows bounds[j]:bounds[j+1]
         attend = BatchAttention(sequences, bounds)
 
-        x = self.embed(np.concatenate(ids), np.concatenate(positions))  # [rows, d_model]
-        for i, layer in enumerate(self.weights.layers):
-            x = self.decoder_layer(i, x, layer, attend)
-        for token_ids, (_, cache) in zip(ids, chunks, strict=True):
-            cache.advance(len(token_ids))
-        if not all_logits:
-            x = x[bounds[1:] - 1]  # [n_sequences, d_model]: each sequence's last row
-        return self.head(x)
+        batched = primitives.BATCHED.set(True)  # products with few rows take few_rows_product
+        try:
+            x = self.embed(np.concatenate(ids), np.concatenate(positions))  # [rows, d_model]
+            for i, layer in enumerate(self.weights.layers):
+                x = self.decoder_layer(i, x, layer, attend)
+            for token_ids, (_, cache) in zip(ids, chunks, strict=True):
+                cache.advance(len(token_ids))
+            if not all_logits:
+                x = x[bounds[1:] - 1]  # [n_sequences, d_model]: each sequence's last row
+            return self.head(x)
+        finally:
+            primitives.BATCHED.reset(batched)
 
     # --- the pieces of a forward pass ---------------------------------------------------------------
     def embed(self, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
