@@ -16,8 +16,9 @@ The folder reads as the system: ``model/`` (the math), ``text/`` (tokens <-> tex
 from minillm.errors import MiniLLMError
 from minillm.model.config import ModelConfig
 from minillm.model.kv_cache import KVCache
+from minillm.model.paged_kv_cache import KVCachePool
 from minillm.observe.events import TraceEvent, Tracer, plot_timeline
-from minillm.runtime.generate import generate, stream
+from minillm.runtime.generate import generate, generate_batch, stream
 from minillm.runtime.loading import Model, load, run_warmup
 from minillm.runtime.request import GenerationResult
 from minillm.runtime.sampling import SamplingParams
@@ -27,6 +28,7 @@ from minillm.runtime.stopping import StopReason
 __all__ = [
     "GenerationResult",
     "KVCache",
+    "KVCachePool",
     "MiniLLMError",
     "Model",
     "ModelConfig",
@@ -37,6 +39,7 @@ __all__ = [
     "decode_step",
     "detokenize",
     "generate",
+    "generate_batch",
     "load",
     "plot_timeline",
     "prefill",

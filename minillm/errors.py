@@ -70,6 +70,10 @@ class InvalidRequestError(MiniLLMError):
     """A request argument is out of range: empty prompt, max_new_tokens <= 0, empty stop string."""
 
 
+class KVCachePoolTooSmall(InvalidRequestError):
+    """A request needs more KV-cache blocks than the whole paged pool holds: it could never run."""
+
+
 class SamplingParamsError(InvalidRequestError):
     """A sampling value is out of its allowed range (the message names value and range)."""
 

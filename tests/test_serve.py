@@ -3,8 +3,9 @@
 Two servers per module (subprocesses, free ports, --threads 1):
 - ``server``: the main one, default settings; greedy parity, logprobs, cancellation, 16 clients,
   bad requests, the bench.
-- ``small_server``: --startup-delay 3 --max-queue 4 --request-timeout 0.5; /health while loading,
-  429 when the queue is full, the timeout, schemathesis (the timeout bounds every generated request).
+- ``small_server``: --startup-delay 3 --max-queue 4 --max-num-seqs 1 --request-timeout 0.5
+  --kv-cache-mib 128; /health while loading, 429 when the queue is full, the timeout, a request the
+  pool could never hold, schemathesis (the timeout bounds every generated request).
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ def test_disconnect_mid_stream_cancels_and_frees_the_cache(server):
 
 
 # --- many clients --------------------------------------------------------------------------------
-def test_16_concurrent_streams_all_complete_in_arrival_order(server, model):
+def test_16_concurrent_streams_all_complete_batched(server, model):
     url, _ = server
     prompts = [f"Tell me a fact about the number {i}." for i in range(4)]
     expected = {
@@ -287,11 +288,50 @@ def test_16_concurrent_streams_all_complete_in_arrival_order(server, model):
     assert all(texts[i] == expected[prompts[i % 4]] for i in range(16))
     wait_count = after["minillm_request_queue_time_seconds_count"] - before["minillm_request_queue_time_seconds_count"]
     assert wait_count == 16
-    # One worker: the 16 requests ran one at a time, so together they waited in the queue for
-    # longer than the slowest single request took end to end (the last one waited for ~15 others).
+    # Continuous batching: a request joins the running batch at the next step instead of waiting for
+    # the others to finish, so the 16 waits together are a small part of the 16 end-to-end times
+    # (one at a time, the last would have waited for ~15 others: waits summing to well over half).
     waited = after["minillm_request_queue_time_seconds_sum"] - before["minillm_request_queue_time_seconds_sum"]
     e2e = after["minillm_e2e_request_latency_seconds_sum"] - before["minillm_e2e_request_latency_seconds_sum"]
-    assert waited > 0.5 * e2e
+    assert waited < 0.25 * e2e
+
+
+def test_8_concurrent_clients_get_what_generate_gives_alone(server, model):
+    """8 clients at once, prompts of 3 to 300 tokens, different max_tokens, greedy: the batched
+    server answers each exactly as minillm.generate alone (text and token counts)."""
+    url, _ = server
+    ids = model.tokenizer.encode("The lighthouse keeper climbed the spiral stairs every evening at dusk. " * 40)
+    lengths, budgets = [3, 300, 17, 64, 150, 41, 230, 8], [12, 9, 20, 5, 16, 24, 7, 18]
+    prompts = [minillm.detokenize(model, ids[:n]) for n in lengths]
+    expected = [minillm.generate(model, p, max_new_tokens=k) for p, k in zip(prompts, budgets, strict=True)]
+    answers: dict[int, dict] = {}
+
+    def one(i: int) -> None:
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": budgets[i], "temperature": 0}
+        answers[i] = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, want in enumerate(expected):
+        assert answers[i]["choices"][0]["text"] == want.text
+        assert answers[i]["usage"]["prompt_tokens"] == len(want.prompt_ids) == lengths[i]
+        assert answers[i]["usage"]["completion_tokens"] == len(want.ids)
+
+
+def test_a_shared_prefix_is_reported_as_cached_tokens(server, model):
+    """Two requests that start with the same 256 tokens (16 blocks of 16): the second's usage says
+    256 cached prompt tokens (counted by the tokenizer), the first's 0."""
+    url, _ = server
+    system = "Notes: " + " b" * 251 + ".\n"
+    assert len(minillm.tokenize(model, system)) == 256
+    usage = []
+    for question in ("Q: What is two plus two?\nA:", "Q: Name a colour of the sky.\nA:"):
+        body = {"model": MODEL, "prompt": system + question, "max_tokens": 2, "temperature": 0}
+        usage.append(httpx.post(url + "/v1/completions", json=body, timeout=60).json()["usage"])
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in usage] == [0, 256]
 
 
 # --- bad requests --------------------------------------------------------------------------------
@@ -372,11 +412,12 @@ def strict_template_folder(tmp_path: Path, model) -> Path:
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory, model):
-    """Loading delayed 3 s on purpose; 4 may wait; every request ends after 0.5 s at most. It serves
-    SmolLM2 from a folder whose chat template refuses unknown roles, under the usual name."""
+    """Loading delayed 3 s on purpose; 1 runs and 4 may wait; every request ends after 0.5 s at most;
+    a KV-cache pool of 128 MiB: 182 blocks of 16 positions (46,080 bytes each on SmolLM2), 2,912 positions.
+    It serves SmolLM2 from a folder whose chat template refuses unknown roles, under the usual name."""
     tmp = tmp_path_factory.mktemp("small")
-    flags = ("--startup-delay", "3", "--max-queue", "4", "--request-timeout", "0.5", "--verbosity", "quiet",
-             "--served-model-name", MODEL)
+    flags = ("--startup-delay", "3", "--max-queue", "4", "--max-num-seqs", "1", "--request-timeout", "0.5",
+             "--kv-cache-mib", "128", "--verbosity", "quiet", "--served-model-name", MODEL)  # fmt: skip
     with running_server(tmp, *flags, wait_ready=False, model=str(strict_template_folder(tmp, model))) as (url, log):
         yield url, log
 
@@ -435,6 +476,19 @@ def test_request_timeout_ends_with_length_and_says_timed_out(small_server):
     choice = r["choices"][0]
     assert choice["finish_reason"] == "length" and choice["minillm_stop_reason"] == "timed out"
     assert 0 < r["usage"]["completion_tokens"] < 2000
+
+
+def test_a_request_the_pool_could_never_hold_is_refused_with_400(small_server):
+    """128 MiB = 182 blocks of 16 positions; "Hi" (1 token) + up to 4,000 new tokens needs 4,000
+    positions = 250 blocks: refused at once, not left waiting."""
+    url, _ = small_server
+    wait_for(url, lambda r: r is not None and r.status_code == 200, None, None)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4000, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "4,000 positions = 250 blocks of 16" in message and "holds 182 blocks" in message
+    assert "kv_cache_mib" in message
 
 
 def test_schemathesis_finds_no_5xx(small_server):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from minillm.model import quant
+from minillm.model import primitives, quant
 
 CHUNK_VALUES = 1 << 18  # values dequantized at a time in a product: 1 MiB of float32
 
@@ -195,7 +195,7 @@ def hold(w: np.ndarray, weight_dtype: str) -> np.ndarray | HeldMatrix:
 
 def linear(x: np.ndarray, w: np.ndarray | HeldMatrix) -> np.ndarray:
     """``x @ w.T`` for a float32 array or a held matrix: ``[seq, cols]`` -> ``[seq, rows]``."""
-    return x @ w.T if isinstance(w, np.ndarray) else w.linear(x)
+    return primitives.linear(x, w) if isinstance(w, np.ndarray) else w.linear(x)
 
 
 def embed(ids: np.ndarray, table: np.ndarray | HeldMatrix) -> np.ndarray:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -207,30 +208,66 @@ def attention(
 
     Query head ``h`` reads kv head ``h // group`` (HF's ``repeat_kv`` order). Instead of copying
     k and v ``group`` times we fold the group into the query rows: one matmul per kv head.
+    Leading axes are carried through: ``q`` ``[B, n_heads, seq, head_dim]``, ``k``/``v``
+    ``[B, n_kv_heads, ctx, head_dim]`` and ``mask`` ``[B, 1, seq, ctx]`` attend ``B`` sequences
+    at once (the batched decode step: each its own keys, padded to one ``ctx``, and its own mask).
     """
-    n_heads, seq, head_dim = q.shape
-    n_kv_heads, ctx, _ = k.shape
+    *lead, n_heads, seq, head_dim = q.shape
+    n_kv_heads, ctx = k.shape[-3], k.shape[-2]
     group = n_heads // n_kv_heads
-    q = q.reshape(n_kv_heads, group * seq, head_dim) * np.float32(scale)  # scale the smaller side
-    scores = q @ k.transpose(0, 2, 1)  # [n_kv_heads, group*seq, ctx]
-    scores = scores.reshape(n_heads, seq, ctx)  # [n_heads, seq, ctx]
+    q = q.reshape(*lead, n_kv_heads, group * seq, head_dim) * np.float32(scale)  # scale the smaller side
+    scores = q @ np.swapaxes(k, -1, -2)  # [..., n_kv_heads, group*seq, ctx]
+    scores = scores.reshape(*lead, n_heads, seq, ctx)  # [..., n_heads, seq, ctx]
     scores += mask  # in place: no second [n_heads, seq, ctx] array
     pattern = softmax(scores, axis=-1, out=scores)
-    z = pattern.reshape(n_kv_heads, group * seq, ctx) @ v  # [n_kv_heads, group*seq, head_dim]
-    return z.reshape(n_heads, seq, head_dim), pattern
+    z = pattern.reshape(*lead, n_kv_heads, group * seq, ctx) @ v  # [..., n_kv_heads, group*seq, head_dim]
+    return z.reshape(*lead, n_heads, seq, head_dim), pattern
 
 
 # --- projections, activations and MLPs ------------------------------------------------------------
+#: In a batched forward pass (``Transformer.forward_batch`` sets this), a product with 2..FEW_ROWS
+#: rows takes :func:`few_rows_product`. A one-sequence ``forward`` keeps the plain product: its
+#: numbers and speed stay those lesson 1 measured.
+FEW_ROWS = 64
+BATCHED: ContextVar[bool] = ContextVar("batched", default=False)
+#: Bytes of weight rows per product in :func:`few_rows_product`: a slice that stays in the L2 cache
+#: (2 MiB per core here) while every input row passes over it.
+FEW_ROWS_SLICE_BYTES = 256 * 1024
+
+
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
     """``x @ w.T (+ b)``, PyTorch's ``F.linear``: ``x`` ``[seq, in]``, ``w`` ``[out, in]``, ``b`` ``[out]``.
 
     ``w.T`` is a view (no copy): BLAS reads ``w``'s rows, so in decode each output is a dot
-    product over contiguous memory (why this layout: ``weights.py``).
+    product over contiguous memory (why this layout: ``weights.py``). One row is a matrix-vector
+    product; in a batched pass 2 to ``FEW_ROWS`` rows go through :func:`few_rows_product` (the same
+    numbers, summed in another order: float32 rounding apart); otherwise one general matrix product.
     """
-    y = x @ w.T  # [seq, in] @ [in, out] -> [seq, out]
+    few = 1 < x.shape[0] <= FEW_ROWS and BATCHED.get()
+    y = few_rows_product(x, w) if few else x @ w.T  # [seq, in] @ [in, out] -> [seq, out]
     if b is not None:
         y += b  # in place: the product is a fresh array, no second allocation
     return y
+
+
+def few_rows_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w.T`` for a few rows (``x`` ``[rows, in]``, ``w`` ``[out, in]`` -> ``[rows, out]``), read
+    from memory once.
+
+    Decode is bound by reading the weights, so a batch of rows should cost little more than one
+    row. OpenBLAS's general product with few rows falls well short of that (measured on SmolLM2's
+    matrices: 2 rows cost 3 to 5 times one row). Two changes recover most of it: turn the product
+    around (``w @ x.T``: the weight is the big left operand, the rows the narrow right one), and feed
+    the weight in slices of ``FEW_ROWS_SLICE_BYTES`` that stay in cache while every row uses them.
+    Measured in ``benchmarks/batching.py``.
+    """
+    out_dim, in_dim = w.shape
+    x_t = np.ascontiguousarray(x.T)  # [in, rows]
+    y_t = np.empty((out_dim, x.shape[0]), dtype=np.result_type(x, w))  # [out, rows]
+    step = max(8, FEW_ROWS_SLICE_BYTES // (w.itemsize * in_dim))  # weight rows per slice
+    for start in range(0, out_dim, step):
+        np.matmul(w[start : start + step], x_t, out=y_t[start : start + step])  # [slice, in] @ [in, rows]
+    return np.ascontiguousarray(y_t.T)  # [rows, out]
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -16,8 +16,11 @@ Read top to bottom: ``forward`` embeds the tokens and runs every ``decoder_layer
     logits = norm(x) @ W_head.T [soft-capped, if final_logit_softcapping is set]
 
 ``prefill`` and ``decode_step`` (``runtime/steps.py``) both call :meth:`Transformer.forward`; they
-differ only in how many positions they feed. The positions come from the cache's ``length``, and
-the masks use the same rule with that offset (``primitives.causal_mask``).
+differ only in how many positions they feed. :meth:`Transformer.forward_batch` runs several
+sequences through the same lines: their rows stacked for every projection, attention per sequence
+(the ``attend`` object a layer is given: :class:`SequenceAttention`, or ``batch.BatchAttention``).
+The positions come from the cache's ``length``, and the masks use the same rule with that offset
+(``primitives.causal_mask``).
 
 Every family runs through the same lines; where one differs, a flag of ``ModelConfig`` says so
 (set in ``families.py``). The math is ``primitives.py``; the weights' layout is ``weights.py``.
@@ -30,11 +33,13 @@ implementations are transformers' ``models/{llama,gpt2,qwen2,qwen3,gemma3}/model
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from minillm.errors import InvalidRequestError
 from minillm.model import held, primitives
+from minillm.model.batch import BatchAttention
 from minillm.model.config import ModelConfig
 from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
 from minillm.model.kv_cache import KVCache
@@ -42,6 +47,9 @@ from minillm.model.weights import LayerWeights, Weights
 
 #: ``hook(**intermediates)``: called once per block with its named arrays (capture, lessons).
 Hook = Callable[..., None]
+#: ``attend(i, layer, qkv, hook) -> z``: the per-sequence part of attention in layer ``i``,
+#: ``qkv`` ``[seq, q_dim + 2 kv_dim]`` -> ``z`` ``[seq, q_dim]`` (:class:`SequenceAttention`, :class:`BatchAttention`).
+Attend = Callable[..., np.ndarray]
 
 
 class Transformer:
@@ -124,48 +132,111 @@ class Transformer:
             KVCacheFullError: the cache has no room for ``seq`` more positions.
             KVCacheMismatchError: the cache was built for another model.
         """
-        cfg, w = self.config, self.weights
         token_ids = np.asarray(token_ids, dtype=np.int64)
         seq = token_ids.shape[0]
         start = 0
         if cache is not None:
-            cache.check_compatible(cfg)
+            cache.check_compatible(self.config)
             cache.check_room(seq)  # the one room check of a forward pass
             start = cache.length
         positions = np.arange(start, start + seq)  # [seq]
-        rope = {t: self.rope(positions, t) for t in self.inv_freq}  # layer type -> (cos, sin) [seq, head_dim]
-        masks = self.masks(seq, start)  # layer type -> [seq, ctx]
+        attend = SequenceAttention(self, positions, cache)  # this sequence's RoPE angles, masks and cache
 
-        x = held.embed(token_ids, w.embed_tokens)  # [seq, d_model], float32 however the table is held
-        if cfg.embed_scale is not None:  # Gemma: sqrt(d_model), in the activation dtype (float32)
-            x = x * np.float32(cfg.embed_scale)
-        if cfg.position_embedding is PositionKind.LEARNED:  # GPT-2: a learned vector per absolute position
-            x = x + w.pos_embed[positions]
+        x = self.embed(token_ids, positions)  # [seq, d_model]
         if capture is not None:
             capture["embed"] = x
-        for i, layer in enumerate(w.layers):
-            layer_type = self.layer_types[i]
+        for i, layer in enumerate(self.weights.layers):
             hook = None if capture is None else _recorder(capture, f"blocks.{i}.")
-            x = self.decoder_layer(i, x, layer, rope.get(layer_type), masks[layer_type], cache, hook)
+            x = self.decoder_layer(i, x, layer, attend, hook)
         if cache is not None:
             cache.advance(seq)
 
         if last_only:
             x = x[-1:]  # [1, d_model]
+        return self.head(x)
+
+    def forward_batch(self, chunks: Sequence[tuple[np.ndarray, KVCache]], *, all_logits: bool = False) -> np.ndarray:
+        """Run several sequences in one pass: each ``(token_ids, cache)`` feeds ``token_ids`` at
+        positions ``cache.length..`` of its own cache (a decode row is one id, a prefill chunk many).
+
+        The rows of every sequence are stacked into one ``[rows, d_model]`` matrix, so each
+        projection reads its weights once for the whole batch (``[rows, d_model] @ W.T``); that is
+        what batching buys, as the weights dominate a decode step's memory traffic. Attention alone
+        runs per sequence, over that sequence's own cached keys and values with its own causal mask
+        (:class:`BatchAttention`): rows of different sequences never see each other. Each row gets
+        the same numbers as :meth:`forward` on that sequence alone, up to float32 rounding of the
+        products (BLAS sums a matrix product in another order than a matrix-vector product).
+
+        Args:
+            chunks: ``(token_ids [seq_j] int, cache)`` per sequence; ``cache`` is a :class:`KVCache`
+                or anything with its interface (a paged cache's sequence, ``paged_kv_cache.py``).
+                Each cache is written at ``cache.length..+seq_j`` and advanced by ``seq_j``.
+            all_logits: return logits for every row (tests, lessons) instead of the last row of
+                each sequence (what sampling needs; saves the LM head's work on prefill rows).
+
+        Returns:
+            float32 logits ``[n_sequences, vocab]`` (the last row of each chunk), or
+            ``[rows, vocab]`` with ``all_logits`` (rows in the order of ``chunks``).
+
+        Raises:
+            InvalidRequestError: no chunks, or a chunk without tokens.
+            KVCacheFullError / KVCacheMismatchError: as :meth:`forward`, for any sequence.
+        """
+        if not chunks:
+            raise InvalidRequestError("forward_batch got no sequences; pass at least one (token_ids, cache) pair.")
+        ids = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in chunks]
+        sequences, positions = [], []
+        for j, (token_ids, (_, cache)) in enumerate(zip(ids, chunks, strict=True)):
+            if len(token_ids) == 0:
+                raise InvalidRequestError(f"forward_batch: sequence {j} has no tokens; feed at least one per sequence.")
+            cache.check_compatible(self.config)
+            cache.check_room(len(token_ids))
+            positions.append(np.arange(cache.length, cache.length + len(token_ids)))  # [seq_j]
+            sequences.append(SequenceAttention(self, positions[-1], cache))
+        bounds = np.cumsum([0] + [len(t) for t in ids])  # sequence j owns rows bounds[j]:bounds[j+1]
+        attend = BatchAttention(sequences, bounds)
+
+        batched = primitives.BATCHED.set(True)  # products with few rows take few_rows_product
+        try:
+            x = self.embed(np.concatenate(ids), np.concatenate(positions))  # [rows, d_model]
+            for i, layer in enumerate(self.weights.layers):
+                x = self.decoder_layer(i, x, layer, attend)
+            for token_ids, (_, cache) in zip(ids, chunks, strict=True):
+                cache.advance(len(token_ids))
+            if not all_logits:
+                x = x[bounds[1:] - 1]  # [n_sequences, d_model]: each sequence's last row
+            return self.head(x)
+        finally:
+            primitives.BATCHED.reset(batched)
+
+    # --- the pieces of a forward pass ---------------------------------------------------------------
+    def embed(self, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Token ids ``[seq]`` at absolute ``positions`` ``[seq]`` -> the residual stream ``[seq, d_model]``."""
+        cfg, w = self.config, self.weights
+        x = held.embed(token_ids, w.embed_tokens)  # [seq, d_model], float32 however the table is held
+        if cfg.embed_scale is not None:  # Gemma: sqrt(d_model), in the activation dtype (float32)
+            x = x * np.float32(cfg.embed_scale)
+        if cfg.position_embedding is PositionKind.LEARNED:  # GPT-2: a learned vector per absolute position
+            x = x + w.pos_embed[positions]
+        return x
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        """The residual stream ``[seq, d_model]`` -> logits ``[seq, vocab]``: final norm, LM head, soft-cap."""
+        cfg, w = self.config, self.weights
         x = self.norm(x, w.final_norm, w.final_norm_bias)
-        logits = held.linear(x, w.lm_head)  # [seq, d_model] @ [d_model, vocab] -> [seq, vocab]
+        logits = held.linear(x, w.lm_head)  # [seq, d_model] @ [d_model, vocab] -> [seq, vocab], however held
         if cfg.final_logit_softcapping is not None:
             logits = primitives.softcap(logits, cfg.final_logit_softcapping)
         return logits
 
-    def decoder_layer(self, i, x, layer: LayerWeights, rope, mask, cache=None, hook: Hook | None = None) -> np.ndarray:
+    def decoder_layer(self, i, x, layer: LayerWeights, attend: Attend, hook: Hook | None = None) -> np.ndarray:
         """Decoder block ``i``: ``x + attention(norm(x))``, then ``+ mlp(norm(.))``; ``x`` ``[seq, d_model]``
-        in, the same shape out. ``rope``: (cos, sin) ``[seq, head_dim]`` for this layer's type, None
-        without RoPE; ``mask``: ``[seq, ctx]`` additive; ``cache``: a KVCache written at layer ``i``.
+        in, the same shape out. ``attend`` does the per-sequence part of attention (RoPE, the cache,
+        the mask): a :class:`SequenceAttention` for one sequence, a :class:`BatchAttention` for many.
         """
         cfg = self.config
         attn_out = self.attention_block(
-            i, self.norm(x, layer.attn_norm, layer.attn_norm_bias), layer, rope, mask, cache, hook
+            i, self.norm(x, layer.attn_norm, layer.attn_norm_bias), layer, attend, hook
         )  # [seq, d_model]
         if cfg.post_norms:  # Gemma: normalise what attention adds
             attn_out = self.norm(attn_out, layer.attn_post_norm)
@@ -178,18 +249,24 @@ class Transformer:
             hook(resid_pre=x, attn_out=attn_out, resid_mid=resid_mid, mlp_out=mlp_out, resid_post=resid_post)
         return resid_post
 
-    def attention_block(
-        self, i, h, layer: LayerWeights, rope, mask, cache=None, hook: Hook | None = None
-    ) -> np.ndarray:
-        """Self-attention over the normed ``h`` ``[seq, d_model]`` -> what it adds, ``[seq, d_model]``
-        (arguments as :meth:`decoder_layer`). q, k, v from one fused projection; QK-norm and RoPE on
-        q and k; this call's k and v written to the cache, and attention over every filled position
-        (Vaswani et al. 2017).
+    def attention_block(self, i, h, layer: LayerWeights, attend: Attend, hook: Hook | None = None) -> np.ndarray:
+        """Self-attention over the normed ``h`` ``[seq, d_model]`` -> what it adds, ``[seq, d_model]``:
+        q, k, v from one fused projection (every row at once), ``attend`` per sequence, then the
+        output projection (every row at once)."""
+        qkv = layer.project("qkv", h)  # [seq, q_dim + 2 kv_dim]
+        z = attend(i, layer, qkv, hook)  # [seq, q_dim]
+        return layer.project("o", z)  # [seq, d_model]
+
+    def attention(self, i, layer: LayerWeights, qkv, rope, mask, cache=None, hook: Hook | None = None) -> np.ndarray:
+        """One sequence's attention in layer ``i``: ``qkv`` ``[seq, q_dim + 2 kv_dim]`` -> ``z``
+        ``[seq, q_dim]`` (heads side by side). QK-norm and RoPE on q and k; this call's k and v
+        written to the cache, and attention over every filled position (Vaswani et al. 2017).
+        ``rope``: (cos, sin) ``[seq, head_dim]`` for this layer's type, None without RoPE;
+        ``mask``: ``[seq, ctx]`` additive; ``cache``: a KVCache written at layer ``i``.
         """
         cfg = self.config
-        seq = h.shape[0]
+        seq = qkv.shape[0]
         n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qkv = layer.project("qkv", h)  # [seq, q_dim + 2 kv_dim]
         q, k, v = qkv[:, : cfg.q_dim], qkv[:, cfg.q_dim : -cfg.kv_dim], qkv[:, -cfg.kv_dim :]  # views
         q = q.reshape(seq, n_heads, hd).transpose(1, 0, 2)  # [n_heads, seq, head_dim]
         k = k.reshape(seq, n_kv, hd).transpose(1, 0, 2)  # [n_kv_heads, seq, head_dim]
@@ -205,11 +282,10 @@ class Transformer:
         # the cache keeps keys already rotated: a key's position never changes
         keys, values = (rot_k, v) if cache is None else cache.write(i, rot_k, v)  # [n_kv_heads, ctx, head_dim]
         z, pattern = primitives.attention(rot_q, keys, values, mask, cfg.attn_scale)  # [n_heads, seq, head_dim]
-        attn_out = layer.project("o", z.transpose(1, 0, 2).reshape(seq, cfg.q_dim))  # [seq, d_model]
         if hook is not None:
             named = {"q": q, "k": k, "v": v, "rot_q": rot_q, "rot_k": rot_k, "pattern": pattern, "z": z}
             hook(**{"attn." + name: value for name, value in named.items()})
-        return attn_out
+        return z.transpose(1, 0, 2).reshape(seq, cfg.q_dim)  # [seq, n_heads * head_dim]
 
     def mlp_block(self, h: np.ndarray, layer: LayerWeights) -> np.ndarray:
         """The family's MLP on the normed ``h`` ``[seq, d_model]`` -> ``[seq, d_model]``.
@@ -223,6 +299,21 @@ class Transformer:
             gate, up = gate_up[:, :ffn], gate_up[:, ffn:]  # each [seq, ffn], views
             return layer.project("down", self.act(gate) * up)
         return layer.project("down", self.act(layer.project("up", h)))
+
+
+class SequenceAttention:
+    """The per-sequence part of attention for one forward pass: this sequence's RoPE angles and masks
+    (from its positions) and its KV cache. Called once per layer: ``attend(i, layer, qkv, hook) -> z``.
+    """
+
+    def __init__(self, model: Transformer, positions: np.ndarray, cache: KVCache | None):
+        self.model, self.cache = model, cache
+        self.rope = {t: model.rope(positions, t) for t in model.inv_freq}  # layer type -> (cos, sin) [seq, head_dim]
+        self.masks = model.masks(len(positions), int(positions[0]))  # layer type -> [seq, ctx]
+
+    def __call__(self, i: int, layer: LayerWeights, qkv: np.ndarray, hook: Hook | None = None) -> np.ndarray:
+        layer_type = self.model.layer_types[i]
+        return self.model.attention(i, layer, qkv, self.rope.get(layer_type), self.masks[layer_type], self.cache, hook)
 
 
 def _recorder(capture: dict[str, np.ndarray], prefix: str) -> Hook:

@@ -229,6 +229,69 @@ def decode(
     )
 
 
+def batch_step(
+    model,
+    step: int,
+    rows: list[dict],
+    admitted: dict[int, int],
+    preempted: list[int],
+    finished: list[int],
+    waiting: list[int],
+    tables: dict[int, list[int]],
+    ref_count: list[int],
+    cached_free: list[int],
+    blocks_used: int,
+    blocks_free: int,
+    blocks_total: int,
+    block_size: int,
+) -> dict[str, Any]:
+    """One step of the batch scheduler: who ran and fed how many tokens, the pool's blocks, prefix
+    hits, preemptions, and pictures of the block tables and of the pool."""
+    return dict(
+        step=step,
+        rows=rows,
+        tokens=sum(r["tokens"] for r in rows),
+        admitted=admitted,
+        prefix_hits={r: t for r, t in admitted.items() if t},
+        preempted=preempted,
+        finished=finished,
+        waiting=waiting,
+        blocks_used=blocks_used,
+        blocks_free=blocks_free,
+        blocks_total=blocks_total,
+        cached_free=len(cached_free),
+        block_size=block_size,
+        shared_blocks=sorted({b for t in tables.values() for b in t if ref_count[b] > 1}),
+        tables={int(r): t for r, t in tables.items()},
+        table_picture=block_table_picture(tables, ref_count),
+        pool_picture=pool_picture(ref_count, set(cached_free)),
+    )
+
+
+def block_table_picture(tables: dict[int, list[int]], ref_count: list[int]) -> str:
+    """Each running request's block table, one line each; a block held by several requests is
+    marked ``*`` (a shared prefix)::
+
+        req 0 | 0* 1* 2 3
+        req 1 | 0* 1* 4
+    """
+    width = max((len(str(b)) for t in tables.values() for b in t), default=1)
+    return "\n".join(
+        f"req {r} | " + " ".join(f"{b:>{width}}" + ("*" if ref_count[b] > 1 else " ") for b in t).rstrip()
+        for r, t in tables.items()
+    )
+
+
+def pool_picture(ref_count: list[int], cached_free: set[int], per_line: int = 64) -> str:
+    """The pool, one character per block: ``#`` held by one request, ``2``-``9`` by that many
+    (shared), ``c`` free but still holding a cached prefix, ``.`` free and empty."""
+    chars = [
+        ("#" if n == 1 else str(min(n, 9))) if n else ("c" if b in cached_free else ".")
+        for b, n in enumerate(ref_count)
+    ]
+    return "\n".join("".join(chars[i : i + per_line]) for i in range(0, len(chars), per_line))
+
+
 def stop(model, reason: StopReason, condition, text: str, ends_inside_character: bool = False, **numbers) -> dict:
     """Why the request ended, in a sentence with its numbers (:func:`describe_stop`); and, when the
     last tokens are only the first bytes of a character, that the text ends in U+FFFD because of it."""

@@ -12,6 +12,7 @@ Phases, in the order a request meets them::
     load -> warmup -> prepare -> tokenize -> prefill -> decode (one per step) -> stop -> summary
 
 (``minillm chat --file`` adds an ``attach`` event before ``prepare``: the document's size in tokens.)
+Many requests at once (``generate_batch``): one ``batch_step`` per scheduler step instead.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from minillm.observe.metrics import cpu_snapshot, others_cpu_share
 from minillm.observe.render import Renderer
 
 VERBOSITY = ("quiet", "summary", "steps", "full")
-PHASES = ("load", "warmup", "prepare", "tokenize", "prefill", "decode", "stop", "summary")
+PHASES = ("load", "warmup", "prepare", "tokenize", "prefill", "decode", "stop", "summary", "batch_step")
 
 
 @dataclass

@@ -213,6 +213,36 @@ class Renderer:
             overflow="ellipsis",
         )
 
+    def _batch_step(self, e: TraceEvent) -> None:
+        """One line per scheduler step; the block tables and the pool when requests joined or left."""
+        c, d = self.console, e.data
+        if self.tracer.verbosity == "summary":
+            return
+        fed = "  ".join(
+            f"r{r['request']}:"
+            + (f"{r['tokens']}@{r['start']}" if r["kind"] == "prefill" else f"d@{r['start']}")
+            + ("(re)" if r["recompute"] else "")
+            for r in d["rows"]
+        )
+        notes = []
+        if d["prefix_hits"]:
+            notes.append("prefix hits " + ", ".join(f"r{r} {t} tokens" for r, t in d["prefix_hits"].items()))
+        if d["preempted"]:
+            notes.append("[bold red]preempted[/] " + ", ".join(f"r{r}" for r in d["preempted"]))
+        if d["finished"]:
+            notes.append("finished " + ", ".join(f"r{r}" for r in d["finished"]))
+        c.print(
+            f"step {d['step']:>4}  {len(d['rows']):>3} req {d['tokens']:>4} tok  blocks {d['blocks_used']}/"
+            f"{d['blocks_total']} (cached free {d['cached_free']})  {escape(fed)}  " + "  ".join(notes),
+            highlight=False,
+            no_wrap=True,
+            overflow="ellipsis",
+        )
+        if self.tracer.verbosity == "full" or d["admitted"] or d["preempted"] or d["finished"]:
+            if d["table_picture"]:
+                c.print(Text(d["table_picture"], style="dim"))
+            c.print(Text(d["pool_picture"], style="dim"))
+
     def _stop(self, e: TraceEvent) -> None:
         c, d = self.console, e.data
         c.rule(f"[bold]stop[/]: {d['reason']}")

@@ -14,9 +14,11 @@ import time
 from collections.abc import Iterator
 
 from minillm.errors import InvalidRequestError
+from minillm.model.paged_kv_cache import MIB, KVCachePool, check_block_size
 from minillm.runtime.loading import Model
 from minillm.runtime.request import GenerationResult, Request
 from minillm.runtime.sampling import SamplingParams
+from minillm.runtime.scheduler import BatchRequest, Scheduler
 from minillm.runtime.steps import Prompt, decode_step, prefill
 
 
@@ -84,3 +86,115 @@ def generate(model: Model, prompt: Prompt, params: SamplingParams | None = None,
     for _ in stream(model, prompt, params, result=result, **kwargs):
         pass
     return result[0]
+
+
+def generate_batch(
+    model: Model,
+    prompts: list[Prompt],
+    params: SamplingParams | list[SamplingParams | None] | None = None,
+    *,
+    max_new_tokens: int | list[int] = 64,
+    per_prompt: list[dict] | None = None,
+    kv_cache_mib: float | None = None,
+    block_size: int = 16,
+    max_batched_tokens: int = 512,
+    max_num_seqs: int = 256,
+    pool: KVCachePool | None = None,
+    tracer=None,
+    **options,
+) -> list[GenerationResult]:
+    """Run many requests together with continuous batching over a paged KV cache (``scheduler.py``).
+
+    Each request gives the same result as :func:`generate` alone with the same arguments (greedy:
+    the same ids; sampled: the same ids for the same seed, up to float32 rounding of the batched
+    products): same stop chain, sampler and window (prompt + ``max_new_tokens``, at most the
+    context).
+
+    Args:
+        prompts: one prompt per request (``str`` or a message list), at least one.
+        params: one :class:`SamplingParams` for all, or a list with one per prompt (None: greedy).
+        max_new_tokens: one budget for all, or a list with one per prompt.
+        per_prompt: a list with one dict of request options per prompt (e.g. ``{"stop": ["\\n"]}``),
+            overriding ``**options`` for that prompt.
+        kv_cache_mib: the pool's size in MiB; default: room for every request's window at once
+            (no preemption). Smaller pools admit fewer requests at once and preempt when full.
+        block_size: positions per KV block (16).
+        max_batched_tokens: tokens fed per step over all requests: prefill chunks + decode rows.
+        max_num_seqs: requests running at once.
+        pool: an existing :class:`KVCachePool` to reuse (its cached prefixes serve these prompts);
+            overrides ``kv_cache_mib`` and ``block_size``.
+        tracer: a listener told ``batch_step`` after every step (who ran, tokens fed, blocks
+            used/free, prefix hits, preemptions, block tables), e.g. ``minillm.Tracer``.
+        **options: request options for every prompt, as :func:`stream` (``chat``, ``stop``,
+            ``stop_token_ids``, ``include_stop_string``, ``timeout_s``, ``cancel``, ``rng``,
+            ``max_seq_len``); not ``cache``.
+
+    Returns:
+        one :class:`GenerationResult` per prompt, in the prompts' order; ``metrics`` adds
+        ``cached_prompt_tokens`` (prefix reuse) and ``preemptions``.
+
+    Raises:
+        InvalidRequestError: no prompts, a per-prompt list whose length is not the prompts', an
+            unknown option, ``block_size``/``max_batched_tokens``/``max_num_seqs`` < 1, a pool
+            that holds no block, or any request argument :func:`stream` refuses.
+        KVCachePoolTooSmall: a request needs more blocks than the whole pool (refused before any
+            model work).
+    """
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
+        raise InvalidRequestError(
+            f"generate_batch takes a list of prompts, got {type(prompts).__name__}; for one prompt pass [prompt] "
+            "or call generate."
+        )
+    if not prompts:
+        raise InvalidRequestError("generate_batch got an empty list of prompts; pass at least one prompt.")
+    n = len(prompts)
+    if unknown := sorted(set(options) - BatchRequest.OPTIONS):
+        raise InvalidRequestError(
+            f"unknown request option(s) {unknown}; the options are {sorted(BatchRequest.OPTIONS)}."
+        )
+    if pool is None:
+        check_block_size(block_size)
+    params_list = _per_prompt("params", params, n, SamplingParams)
+    budgets = _per_prompt("max_new_tokens", max_new_tokens, n, int)
+    overrides = _per_prompt("per_prompt", per_prompt, n, dict) if per_prompt is not None else [{}] * n
+    for j, extra in enumerate(overrides):
+        if unknown := sorted(set(extra) - BatchRequest.OPTIONS):
+            raise InvalidRequestError(f"per_prompt[{j}] has unknown option(s) {unknown}.")
+
+    requests = [
+        BatchRequest(model, prompt, p, pool=pool, index=j, max_new_tokens=m, listener=None, **{**options, **extra})
+        for j, (prompt, p, m, extra) in enumerate(zip(prompts, params_list, budgets, overrides, strict=True))
+    ]
+    if pool is None:  # sized from the requests: their windows, all at once
+        if kv_cache_mib is None:
+            blocks = sum(-(-r.positions_needed // block_size) for r in requests)
+            kv_cache_mib = blocks * block_size * model.config.kv_bytes_per_token() / MIB
+        pool = KVCachePool.for_model(model.config, kv_cache_mib, block_size)
+        for r in requests:  # the sequences were made before the pool's size was known
+            r.seq.pool = r.pool = pool
+    scheduler = Scheduler(
+        model, pool, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, listener=tracer
+    )
+    for r in requests:
+        scheduler.add(r)  # refuses a request the pool could never hold, before any model work
+    try:
+        while scheduler.has_work():
+            scheduler.step()
+    except KeyboardInterrupt:  # Ctrl-C: every unfinished request ends cancelled, its blocks freed
+        scheduler.cancel_all("KeyboardInterrupt (Ctrl-C)")
+    finally:
+        for r in (*scheduler.running, *scheduler.waiting):  # an error mid-step: give the blocks back
+            r.seq.reset()
+    return [r.result for r in requests]
+
+
+def _per_prompt(name: str, value, n: int, kind: type) -> list:
+    """``value`` for every prompt, or a list of one per prompt (its length checked)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise InvalidRequestError(
+                f"{name} is a list of {len(value)} but there are {n} prompts; pass one {kind.__name__} for all, "
+                f"or a list of exactly {n}."
+            )
+        return list(value)
+    return [value] * n

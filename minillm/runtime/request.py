@@ -39,6 +39,8 @@ class RequestMetrics:
     kv_bytes_per_token: int = 0
     kv_bytes_used: int = 0
     kv_bytes_reserved: int = 0
+    cached_prompt_tokens: int = 0  # prompt positions reused from a paged pool's prefix cache (batching)
+    preemptions: int = 0  # times the batch scheduler took this request's blocks back to recompute later
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -249,7 +251,7 @@ class Request:
         window = cache.max_seq_len if cache is not None else min(max_seq_len or context, context)
         check_window(len(self.prompt_ids), window, context, by_cache=cache is not None or window < context)
         if self.own_cache:
-            cache = KVCache.for_model(model.config, max_seq_len or min(context, len(self.prompt_ids) + max_new_tokens))
+            cache = self.new_cache(max_seq_len or min(context, len(self.prompt_ids) + max_new_tokens))
         else:
             cache.reset()
         self.cache = cache
@@ -267,6 +269,11 @@ class Request:
         self.seen = list(self.prompt_ids)  # the repetition penalty's "seen" ids: prompt + new ids
         self.stop_reason: StopReason | None = None
         self.condition = None
+
+    def new_cache(self, max_seq_len: int) -> KVCache:
+        """The request's own cache of ``max_seq_len`` positions: a contiguous :class:`KVCache` here;
+        a batched request takes a sequence of the shared paged pool instead (``scheduler.py``)."""
+        return KVCache.for_model(self.model.config, max_seq_len)
 
     def _emit(self, phase: str, start: float, duration: float, **facts) -> None:
         if self.listener is not None:

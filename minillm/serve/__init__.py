@@ -25,7 +25,7 @@ def add_commands(sub) -> None:
         type=int,
         default=64,
         metavar="N",
-        help="requests that may wait while one runs; beyond, 429 with Retry-After (default 64)",
+        help="requests that may wait while others run; beyond, 429 with Retry-After (default 64)",
     )
     s.add_argument(
         "--request-timeout",
@@ -42,6 +42,23 @@ def add_commands(sub) -> None:
         help="the name clients pass as `model` (default: MODEL as given), e.g. a short name for a local folder",
     )
     s.add_argument("--max-seq-len", type=int, default=None, metavar="N", help="cap on each request's KV cache")
+    s.add_argument("--max-num-seqs", type=int, default=16, metavar="N", help="requests running at once (default 16)")
+    s.add_argument(
+        "--kv-cache-mib",
+        type=float,
+        default=512.0,
+        metavar="MIB",
+        help="the paged KV-cache pool the running requests share (default 512); a request that could never "
+        "fit is refused with 400",
+    )
+    s.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="tokens fed per step over all requests: long prompts go in chunks (default 512)",
+    )
+    s.add_argument("--block-size", type=int, default=16, metavar="N", help="positions per KV block (default 16)")
     s.add_argument("--threads", type=int, default=None, metavar="N", help="BLAS threads (default: all cores)")
     s.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
     s.add_argument(

@@ -279,6 +279,7 @@ def _usage(o: Outcome) -> p.UsageInfo:
         prompt_tokens=o.prompt_tokens,
         completion_tokens=o.completion_tokens,
         total_tokens=o.prompt_tokens + o.completion_tokens,
+        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=o.cached_tokens),
     )
 
 

@@ -56,7 +56,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("minillm_generation_tokens", "Output tokens generated", registry=r)
         self.finished = Counter("minillm_request_finished", "Finished requests by stop reason", ["reason"], registry=r)
         self.rejected = Counter("minillm_request_rejected", "Requests refused with 429 (queue full)", registry=r)
-        self.running = Gauge("minillm_num_requests_running", "Requests the worker is running (0 or 1)", registry=r)
+        self.running = Gauge("minillm_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("minillm_num_requests_waiting", "Requests waiting in the queue", registry=r)
         self.kv_reserved = Gauge(
             "minillm_kv_cache_bytes_reserved", "KV-cache bytes allocated by running requests", registry=r
@@ -66,9 +66,9 @@ class ServerMetrics:
     def bind(self, worker) -> None:
         """Read the gauges from the worker at scrape time (no bookkeeping in the request loop)."""
         self.running.set_function(lambda: worker.running)
-        self.waiting.set_function(lambda: worker.queue.qsize())
-        self.kv_reserved.set_function(lambda: c.nbytes if (c := worker.cache) is not None else 0)
-        self.kv_in_use.set_function(lambda: c.used_bytes if (c := worker.cache) is not None else 0)
+        self.waiting.set_function(lambda: worker.waiting)
+        self.kv_reserved.set_function(lambda: worker.kv_bytes_reserved)
+        self.kv_in_use.set_function(lambda: worker.kv_bytes_in_use)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this server's registry."""

@@ -60,10 +60,15 @@ class CompletionRequest(SamplingFields):
     echo: Literal[False] = False  # echoing the prompt is not supported
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose keys and values the pool's prefix cache already held
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

@@ -26,6 +26,10 @@ def run_server(args: argparse.Namespace) -> int:
         (args.max_seq_len is None or args.max_seq_len >= 2, "--max-seq-len must be >= 2"),
         (args.keep_traces >= 1, "--keep-traces must be >= 1"),
         (args.startup_delay >= 0, "--startup-delay must be >= 0 seconds"),
+        (args.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
+        (args.kv_cache_mib > 0, "--kv-cache-mib must be > 0"),
+        (args.max_batched_tokens >= 1, "--max-batched-tokens must be >= 1"),
+        (args.block_size >= 1, "--block-size must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:
@@ -44,6 +48,10 @@ def run_server(args: argparse.Namespace) -> int:
         console=console,
         startup_delay_s=args.startup_delay,
         keep_traces=args.keep_traces,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_mib=args.kv_cache_mib,
+        max_batched_tokens=args.max_batched_tokens,
+        block_size=args.block_size,
     )
     served = args.served_model_name or args.model
     app = create_app(worker, served)

@@ -1,17 +1,20 @@
-"""The model worker: ONE thread runs every request, in arrival order, fed by a bounded queue.
+"""The model worker: ONE thread runs the model; requests join a continuous batch between steps.
 
     event loop (HTTP)                               worker thread (NumPy)
     ----------------                               ---------------------
-    submit(job) --- queue.Queue(maxsize) -------->  job = queue.get()
-    await job.channel.get()  <-- call_soon_threadsafe --  for delta in minillm.stream(...)
+    submit(job) --- queue.Queue(maxsize) -------->  between steps: jobs -> scheduler.add(request)
+    await job.channel.get()  <-- call_soon_threadsafe --  scheduler.step(): one forward for all rows
     client gone: job.cancel.set()  ------------->  checked between steps -> StopReason.CANCELLED
 
-NumPy never runs on the event loop, so while a request decodes, the loop still answers /health,
-/metrics and new requests (they wait in the queue). The loop and the thread share only the job's
-``asyncio.Queue`` (written through ``loop.call_soon_threadsafe``) and its ``threading.Event``.
+NumPy never runs on the event loop, so while requests decode, the loop still answers /health,
+/metrics and new requests. The loop and the thread share only the job's ``asyncio.Queue`` (written
+through ``loop.call_soon_threadsafe``) and its ``threading.Event``. The requests running together
+share one paged KV-cache pool (``--kv-cache-mib``) and the scheduler of ``generate_batch``
+(``minillm/runtime/scheduler.py``): a long prompt is fed in chunks (``--max-batched-tokens``) so
+running decodes keep their pace, at most ``--max-num-seqs`` run at once, and a prompt that starts
+with blocks already in the pool reuses them (``usage.prompt_tokens_details.cached_tokens``).
 
-Only the public ``minillm`` API is used here: ``load``, ``tokenize``, ``stream``, ``Tracer``,
-``KVCache``, ``StopReason``, ``MiniLLMError``.
+Only the public ``minillm`` API and the runtime's scheduler are used here.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import minillm
+from minillm.runtime.scheduler import BatchRequest, Scheduler
 
 from .metrics import ServerMetrics
 
@@ -71,18 +75,34 @@ class Outcome:
     queue_wait_s: float
     ttft_s: float | None  # from arrival (queue wait included) to the first token; None if no token
     logprobs: list[dict] | None  # one entry per output token: token, logprob, top alternatives
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the pool's prefix cache
 
 
 class QueueFullError(Exception):
     """More requests wait than ``max_queue`` allows (the HTTP layer answers 429)."""
 
 
+@dataclass
+class Active:
+    """A job the scheduler is running: its request, its trace, how much text was sent."""
+
+    job: Job
+    request: BatchRequest
+    tracer: minillm.Tracer
+    wait: float
+    sent: int = 0  # deltas of request.deltas already sent
+
+
 class Worker:
-    """Loads the model, then runs queued jobs one at a time on its own thread.
+    """Loads the model, then runs queued jobs together, a continuous batch, on its own thread.
 
     Args:
         model_name: a name from ``minillm models`` or a local folder.
-        max_queue: how many requests may *wait* (the running one not counted); beyond: QueueFullError.
+        max_queue: how many requests may *wait* (running ones not counted); beyond: QueueFullError.
+        max_num_seqs: requests running at once (the rest wait).
+        kv_cache_mib: the paged KV-cache pool every running request's keys and values share.
+        max_batched_tokens: tokens fed per step over all requests (prefill chunks + decode rows).
+        block_size: positions per KV block.
         request_timeout_s: seconds from arrival (queue wait included) after which a request stops
             with StopReason.TIMEOUT; None: no limit.
         max_seq_len: cap on each request's KV cache (positions); None: the model's context.
@@ -105,6 +125,10 @@ class Worker:
         console=None,
         startup_delay_s: float = 0.0,
         keep_traces: int = 100,
+        max_num_seqs: int = 16,
+        kv_cache_mib: float = 512.0,
+        max_batched_tokens: int = 512,
+        block_size: int = 16,
     ):
         self.model_name = model_name
         self.metrics = metrics
@@ -119,12 +143,17 @@ class Worker:
         self.status = "starting"  # starting -> loading -> ready | failed
         self.error: str | None = None
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
-        self.running = 0  # 0 or 1: one worker thread
-        self.cache: minillm.KVCache | None = None  # the running request's KV cache
+        self.max_queue = max_queue
+        self.max_num_seqs, self.kv_cache_mib = max_num_seqs, kv_cache_mib
+        self.max_batched_tokens, self.block_size = max_batched_tokens, block_size
+        self.pool: minillm.KVCachePool | None = None
+        self.scheduler: Scheduler | None = None
+        self.active: dict[int, Active] = {}  # request index -> its job, while it runs or waits to
         self.traces: OrderedDict[str, dict] = OrderedDict()
         self.keep_traces = keep_traces
         self._lock = threading.Lock()  # guards traces (written by the worker, read by the loop)
         self._ids = itertools.count()
+        self._indices = itertools.count()  # the scheduler's request numbers
         metrics.bind(self)
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -144,13 +173,45 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - reported by /health (503) rather than killing the server
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
             return
+        self.pool = minillm.KVCachePool.for_model(self.model.config, self.kv_cache_mib, self.block_size)
+        self.scheduler = Scheduler(
+            self.model, self.pool, max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs
+        )
         self.status = "ready"
         while True:
-            self._serve(self.queue.get())
+            self._take_jobs(block=not self.scheduler.has_work())
+            if self.scheduler.has_work():
+                try:
+                    self.scheduler.step()
+                except Exception as exc:  # noqa: BLE001 - a bug: answer every client, keep the worker alive
+                    self._fail_all(exc)
+                self._publish()
+
+    @property
+    def running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.scheduler.running) if self.scheduler is not None else 0
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting: in the queue, and admitted to the scheduler but not yet running."""
+        return self.queue.qsize() + (len(self.scheduler.waiting) if self.scheduler is not None else 0)
+
+    @property
+    def kv_bytes_reserved(self) -> int:
+        """Bytes of the pool's blocks held by requests (a shared block counted once)."""
+        return self.pool.num_used_blocks * self.pool.bytes_per_block if self.pool is not None else 0
+
+    @property
+    def kv_bytes_in_use(self) -> int:
+        """Bytes holding the running requests' filled positions."""
+        return sum(r.seq.used_bytes for r in self.scheduler.running) if self.scheduler is not None else 0
 
     def submit(self, job: Job) -> None:
         """Queue a job (arrival order). Raises QueueFullError when ``max_queue`` jobs already wait."""
         try:
+            if self.waiting >= self.max_queue:
+                raise queue.Full
             self.queue.put_nowait(job)
         except queue.Full:
             raise QueueFullError(f"{self.queue.maxsize} requests are already waiting") from None
@@ -165,8 +226,18 @@ class Worker:
         console = self.console if self.verbosity != "quiet" else None
         return minillm.Tracer(console, verbosity=self.verbosity, live=False)
 
-    # --- one request -------------------------------------------------------------------------
-    def _serve(self, job: Job) -> None:
+    # --- requests joining and leaving the batch -------------------------------------------------
+    def _take_jobs(self, block: bool) -> None:
+        """Move queued jobs into the scheduler (waiting for one when nothing runs)."""
+        while True:
+            try:
+                job = self.queue.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            self._admit(job)
+
+    def _admit(self, job: Job) -> None:
         wait = time.perf_counter() - job.arrival
         self.metrics.queue_wait.observe(wait)
         if job.cancel.is_set():  # the client left while the request waited: no work at all
@@ -176,44 +247,54 @@ class Worker:
         tracer = self._tracer()
         if tracer.console is not None:
             tracer.console.rule(f"request {job.request_id}  (waited {wait * 1e3:.1f} ms in the queue)")
-        results: list = []
-        self.running = 1
         try:
-            # Size the KV cache ourselves so /metrics can read its bytes while it runs.
             n_prompt = len(minillm.tokenize(self.model, job.prompt, chat=job.chat))
             max_new = job.max_tokens or max(1, self.context - n_prompt)  # OpenAI's default: up to the context
-            self.cache = minillm.KVCache.for_model(self.model.config, max(1, min(self.context, n_prompt + max_new)))
             timeout = None
             if self.request_timeout_s is not None:  # the deadline counts from arrival: queue wait included
                 timeout = max(self.request_timeout_s - wait, 1e-6)
-            for delta in minillm.stream(
+            request = BatchRequest(
                 self.model,
                 job.prompt,
                 job.params,
+                pool=self.pool,
+                index=next(self._indices),
                 max_new_tokens=max_new,
                 chat=job.chat,
-                tracer=tracer,
-                cache=self.cache,
+                listener=tracer,
+                max_seq_len=max(1, min(self.context, n_prompt + max_new)),
                 stop=job.stop,
                 timeout_s=timeout,
                 cancel=job.cancel,
-                result=results,
-            ):
-                job.send("delta", delta)
+            )
+            self.scheduler.add(request)  # refuses a request the pool could never hold (400)
         except minillm.MiniLLMError as exc:  # a request the runtime refuses: the client gets a 400
             self._remember(job, None, wait, tracer.events, note=f"{type(exc).__name__}: {exc}")
             job.send("error", exc)
             return
-        except Exception as exc:  # noqa: BLE001 - a bug: still answer the client, keep the worker alive
-            self._remember(job, None, wait, tracer.events, note=f"internal error {type(exc).__name__}: {exc}")
-            job.send("error", exc)
-            return
-        finally:
-            if self.cache is not None:
-                self.cache.free()  # the request's KV memory goes back, however it ended
-            self.cache = None
-            self.running = 0
-        result = results[0]
+        self.active[request.index] = Active(job, request, tracer, wait)
+
+    def _publish(self) -> None:
+        """Send each request's new text; answer the ones that finished."""
+        for index, a in list(self.active.items()):
+            for delta in a.request.deltas[a.sent :]:
+                a.job.send("delta", delta)
+            a.sent = len(a.request.deltas)
+            if a.request.result is not None:
+                del self.active[index]
+                self._done(a)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for index, a in list(self.active.items()):
+            del self.active[index]
+            a.request.seq.reset()
+            self._remember(a.job, None, a.wait, a.tracer.events, note=f"internal error {type(exc).__name__}: {exc}")
+            a.job.send("error", exc)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+
+    def _done(self, a: Active) -> None:
+        job, result, tracer, wait = a.job, a.request.result, a.tracer, a.wait
         m = result.metrics
         ttft = wait + m.ttft_s if result.ids and m.ttft_s is not None else None
         if ttft is not None:
@@ -228,7 +309,16 @@ class Worker:
         self._remember(job, result.stop_reason, wait, tracer.events)
         job.send(
             "done",
-            Outcome(result.text, len(result.prompt_ids), len(result.ids), result.stop_reason, wait, ttft, logprobs),
+            Outcome(
+                result.text,
+                len(result.prompt_ids),
+                len(result.ids),
+                result.stop_reason,
+                wait,
+                ttft,
+                logprobs,
+                m.cached_prompt_tokens,
+            ),
         )
 
     def _remember(self, job: Job, reason, wait: float, events: list, note: str | None = None) -> None:

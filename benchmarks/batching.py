@@ -1,0 +1,245 @@
+"""Aggregate decode throughput against batch size, against this machine's limits, in one run.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m benchmarks.batching      # ~3 min
+    python -m benchmarks.batching --quick                                          # smoke run
+    python -m benchmarks.batching --torch       # also transformers' batched generate (padding)
+
+For SmolLM2-135M-Instruct (float32) and each batch size B in 1, 2, 4, ..., 64 it prefills B
+sequences of ``--prompt-tokens`` tokens into one paged pool, then times ``--steps`` decode steps of
+``Transformer.forward_batch`` (B rows, one per sequence, each attending over its own blocks) plus
+the argmax of each row. Aggregate decode tokens/s = B / step seconds (median step).
+
+The limits, from the machine measured in the same run (``workers.measure_machine``)::
+
+    memory:  a step reads every weight once, plus each sequence's keys and values
+             step >= (weight bytes + B * context * KV bytes per position) / bandwidth
+    compute: a step does 2 FLOPs per parameter per row
+             step >= 2 * parameters * B / GEMM FLOP/s
+    ceiling tokens/s = B / max(memory bound, compute bound)
+
+It also times the matrix products alone for B rows, two ways: NumPy's plain ``x @ W.T`` and
+``primitives.few_rows_product`` (the weight as the left operand, fed in slices that stay in
+cache), which ``primitives.linear`` uses for 2 to 64 rows; and, with ``--torch``, transformers'
+batched ``generate`` on the same prompts, left-padded, greedy.
+
+Results go to ``benchmarks/results/local/batching.json`` (untracked) unless ``--json`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import workers
+
+SCHEMA = "minillm.benchmarks.batching/1"
+DEFAULT_JSON = Path(__file__).parent / "results" / "local" / "batching.json"
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+# The targets of issue 16 (aggregate decode tokens/s against batch 1).
+TARGETS = {8: 3.0, 32: 8.0}
+
+
+# --- pure arithmetic (tested exactly in tests/test_batching.py) ------------------------------------
+def step_bounds(batch: int, weight_bytes: int, parameters: int, kv_bytes_per_position: int, context: float,
+                bandwidth_bytes_s: float, flop_s: float) -> dict:
+    """The two lower bounds on a decode step of ``batch`` rows, seconds, and the ceiling tokens/s."""
+    memory_s = (weight_bytes + batch * context * kv_bytes_per_position) / bandwidth_bytes_s
+    compute_s = 2 * parameters * batch / flop_s
+    return {"memory_s": memory_s, "compute_s": compute_s, "ceiling_tokens_s": batch / max(memory_s, compute_s)}
+
+
+def matrices(model) -> list[np.ndarray]:
+    """Every matrix a decode step multiplies by: each layer's projections, then the LM head."""
+    out = [a for layer in model.transformer.weights.layers for a in layer.projections()]
+    return [*out, model.transformer.weights.lm_head]
+
+
+# --- measurements ----------------------------------------------------------------------------------
+def decode_steps(model, batch: int, prompt_tokens: int, steps: int, seed: int = 0) -> list[float]:
+    """Seconds of each of ``steps`` batched decode steps over ``batch`` sequences (argmax included)."""
+    from minillm.model.paged_kv_cache import KVCachePool
+
+    T = model.transformer
+    vocab = model.config.vocab_size
+    positions = prompt_tokens + steps + 1
+    mib = batch * -(-positions // 16) * 16 * model.config.kv_bytes_per_token() / 2**20
+    pool = KVCachePool.for_model(model.config, mib)
+    seqs = [pool.sequence(positions) for _ in range(batch)]
+    tokens = []
+    for j, seq in enumerate(seqs):  # prefill each sequence (not timed)
+        pool.grow(seq, prompt_tokens)
+        logits = T.forward(workers.prompt_ids(prompt_tokens, vocab, seed + j), seq, last_only=True)
+        tokens.append(int(np.argmax(logits[0])))
+    times = []
+    for _ in range(steps):
+        for seq in seqs:
+            pool.grow(seq, 1)
+        t0 = time.perf_counter()
+        logits = T.forward_batch([(np.array([t]), seq) for t, seq in zip(tokens, seqs, strict=True)])
+        tokens = [int(i) for i in np.argmax(logits, axis=-1)]
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def products_alone(model, batch: int, repeats: int) -> dict:
+    """Seconds for one pass of every matrix product of a decode step with ``batch`` rows: plain
+    ``x @ W.T`` and ``few_rows_product`` (best of ``repeats``, alternated)."""
+    from minillm.model import primitives
+
+    rng = np.random.default_rng(0)
+    mats = matrices(model)
+    xs = {m.shape[1]: rng.standard_normal((batch, m.shape[1]), dtype=np.float32) for m in mats}
+    ways = {"plain": lambda x, w: x @ w.T, "few_rows": primitives.few_rows_product}
+    best = {name: float("inf") for name in ways}
+    for _ in range(repeats):
+        for name, product in ways.items():
+            t0 = time.perf_counter()
+            for w in mats:
+                product(xs[w.shape[1]], w)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def torch_batched_decode(model, batch: int, prompt_tokens: int, new_tokens: int, threads: int = 1) -> float:
+    """transformers' ``generate`` on ``batch`` left-padded prompts, greedy: decode tokens/s from
+    ``(T(new_tokens) - T(1)) / (batch * (new_tokens - 1))``, best of 2. torch gets ``threads``
+    threads like minillm's BLAS (threadpoolctl does not reach torch's own pool; left alone, it
+    spins one thread per core and, on a shared machine, measured 4 tokens/s instead of 100)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    lengths = [prompt_tokens - (j % 4) * 4 for j in range(batch)]  # different lengths: padding
+    ids = torch.full((batch, max(lengths)), 0, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for j, n in enumerate(lengths):
+        ids[j, -n:] = torch.from_numpy(workers.prompt_ids(n, vocab, j))
+        mask[j, -n:] = 1
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                        pad_token_id=0)
+        return time.perf_counter() - t0
+
+    run(2)
+    seconds = min(run(new_tokens) for _ in range(2)) - min(run(1) for _ in range(2))
+    return batch * (new_tokens - 1) / seconds
+
+
+def minillm_batched_decode(model, batch: int, prompt_tokens: int, new_tokens: int) -> float:
+    """``generate_batch`` on the same prompts as :func:`torch_batched_decode`, the same arithmetic."""
+    import minillm
+
+    vocab = model.config.vocab_size
+    lengths = [prompt_tokens - (j % 4) * 4 for j in range(batch)]
+    texts = [model.tokenizer.decode(workers.prompt_ids(n, vocab, j).tolist()) for j, n in enumerate(lengths)]
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        minillm.generate_batch(model, texts, max_new_tokens=n, max_batched_tokens=4096, stop_token_ids=None)
+        return time.perf_counter() - t0
+
+    run(2)
+    seconds = min(run(new_tokens) for _ in range(2)) - min(run(1) for _ in range(2))
+    return batch * (new_tokens - 1) / seconds  # (EOS may end a request early: an upper bound on work)
+
+
+def run(args) -> dict:
+    import minillm
+
+    keep = workers.limit_threads(args.threads)
+    machine = workers.measure_machine(
+        {"threads": args.threads, "machine_repeats": 3, "bandwidth_bytes": args.bandwidth_mib * 2**20,
+         "gemm_n": 1024 if args.quick else 2048}
+    )
+    model = minillm.load(args.model, progress=False)
+    mats = matrices(model)
+    weight_bytes, parameters = sum(m.nbytes for m in mats), sum(m.size for m in mats)
+    kv = model.config.kv_bytes_per_token()
+    rows = []
+    for batch in args.batches:
+        times = decode_steps(model, batch, args.prompt_tokens, args.steps)
+        step_s = statistics.median(times[1:] if len(times) > 2 else times)
+        context = args.prompt_tokens + args.steps / 2
+        bounds = step_bounds(batch, weight_bytes, parameters, kv, context, machine["bandwidth_gb_s"] * 1e9,
+                             machine["gemm_gflop_s"] * 1e9)
+        products = products_alone(model, batch, repeats=2 if args.quick else 4)
+        row = {"batch": batch, "step_s": step_s, "tokens_s": batch / step_s, **bounds,
+               "of_ceiling": batch / step_s / bounds["ceiling_tokens_s"],
+               "products_plain_s": products["plain"], "products_few_rows_s": products["few_rows"]}
+        rows.append(row)
+        print(f"  batch {batch:>3}: step {step_s * 1e3:7.1f} ms  {row['tokens_s']:7.1f} tok/s  "
+              f"ceiling {bounds['ceiling_tokens_s']:7.1f} ({row['of_ceiling']:.0%})  products alone: plain "
+              f"{products['plain'] * 1e3:6.1f} ms, few-rows {products['few_rows'] * 1e3:6.1f} ms", flush=True)
+    base = rows[0]["tokens_s"] if rows and rows[0]["batch"] == 1 else None
+    ratios = {r["batch"]: r["tokens_s"] / base for r in rows} if base else {}
+    targets = [{"name": f"batch {b} / batch 1", "value": ratios.get(b), "target": t,
+                "passed": None if b not in ratios else ratios[b] >= t} for b, t in TARGETS.items()]
+    report = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": sys.argv,
+              "settings": vars(args) | {"json": str(args.json)}, "load_average": os.getloadavg(),
+              "openblas_env": {k: os.environ.get(k) for k in workers.OPENBLAS_VARS}, "blas": workers.blas_info(),
+              "machine": machine, "weight_bytes": weight_bytes, "parameters": parameters, "rows": rows,
+              "ratios": ratios, "targets": targets}
+    if args.torch:
+        batch = 8
+        report["torch"] = {
+            "batch": batch,
+            "transformers_tokens_s": torch_batched_decode(
+                model, batch, args.prompt_tokens, args.torch_new_tokens, args.threads
+            ),
+            "minillm_tokens_s": minillm_batched_decode(model, batch, args.prompt_tokens, args.torch_new_tokens),
+        }
+        t = report["torch"]
+        t["ratio"] = t["minillm_tokens_s"] / t["transformers_tokens_s"]
+        report["targets"].append({"name": "minillm / transformers batched generate (batch 8)", "value": t["ratio"],
+                                  "target": 1.5, "passed": t["ratio"] >= 1.5})
+    del keep
+    for t in report["targets"]:
+        verdict = "—" if t["passed"] is None else ("pass" if t["passed"] else "FAIL")
+        value = "—" if t["value"] is None else f"{t['value']:.2f}"
+        print(f"  {t['name']}: {value} (target >= {t['target']}): {verdict}")
+    print(f"  load average {report['load_average']}, OPENBLAS env {report['openblas_env']}")
+    return report
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.batching", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=list(BATCHES))
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="BLAS threads (1: the machine is shared)")
+    p.add_argument("--bandwidth-mib", type=int, default=512)
+    p.add_argument("--torch", action="store_true", help="also transformers' batched generate at batch 8")
+    p.add_argument("--torch-new-tokens", type=int, default=16)
+    p.add_argument("--quick", action="store_true", help="smoke run: batches 1,2; 3 steps; small measurements")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batches, args.steps, args.prompt_tokens, args.bandwidth_mib = [1, 2], 3, 16, 64
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    report = run(args)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1, default=str))
+    print(f"  wrote {args.json}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Attention for a batch of sequences in one forward pass (``Transformer.forward_batch``).
+
+Every projection takes the rows of all sequences at once; attention cannot: each row must see only
+its own sequence's keys and values, under its own causal mask. :class:`BatchAttention` splits the
+rows by sequence. Decode rows whose keys live in one paged pool are attended together
+(:class:`DecodeRows`: keys gathered from each row's blocks, padded to the longest context, each
+row's own mask hiding the padding); any other sequence goes through the one-sequence path
+(``transformer.SequenceAttention``), exactly as ``Transformer.forward`` would run it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from minillm.model import primitives
+from minillm.model.families import LayerType
+
+if TYPE_CHECKING:  # transformer.py imports this module; the types only are needed here
+    from minillm.model.transformer import Hook, SequenceAttention, Transformer
+    from minillm.model.weights import LayerWeights
+
+
+class BatchAttention:
+    """Attention for a batch: sequence ``j`` owns rows ``bounds[j]:bounds[j+1]`` of ``qkv`` and attends
+    over its own cache with its own mask, so no row ever sees another sequence's keys.
+
+    Decode rows (one row, a paged cache) are attended all at once (:class:`DecodeRows`); prefill
+    chunks and contiguous caches one sequence at a time (:class:`SequenceAttention`). Intermediates
+    are not captured here (``forward`` captures one sequence).
+    """
+
+    def __init__(self, sequences: list[SequenceAttention], bounds: np.ndarray):
+        self.model = sequences[0].model
+        one_row = [j for j, s in enumerate(sequences) if bounds[j + 1] - bounds[j] == 1]
+        pool = _paged_pool(sequences[one_row[0]].cache) if one_row else None
+        grouped = [j for j in one_row if pool is not None and _paged_pool(sequences[j].cache) is pool]
+        self.decode = (
+            DecodeRows(self.model, [sequences[j].cache for j in grouped], bounds[grouped]) if grouped else None
+        )
+        alone = sorted(set(range(len(sequences))) - set(grouped))
+        self.alone = [(sequences[j], bounds[j], bounds[j + 1]) for j in alone]
+
+    def __call__(self, i: int, layer: LayerWeights, qkv: np.ndarray, hook: Hook | None = None) -> np.ndarray:
+        z = np.empty((qkv.shape[0], self.model.config.q_dim), dtype=np.float32)  # [rows, q_dim]
+        if self.decode is not None:
+            z[self.decode.rows] = self.decode(i, layer, qkv[self.decode.rows])
+        for sequence, a, b in self.alone:
+            z[a:b] = sequence(i, layer, qkv[a:b])
+        return z
+
+
+class DecodeRows:
+    """One decode row each for ``g`` sequences of one paged pool, attended together in every layer.
+
+    The same steps as :meth:`Transformer.attention`, with the sequences as a leading axis: QK-norm,
+    RoPE at each row's own position, k and v written to each row's slot, then every row's keys
+    gathered from the pool and padded to the longest ``ctx``; each row's mask (``causal_mask`` at
+    its own offset) hides the padding, so ``primitives.attention`` computes what it computes for the
+    row alone. One set of NumPy calls per layer instead of one per sequence.
+    """
+
+    def __init__(self, model: Transformer, caches: list, rows: np.ndarray):
+        self.model, self.caches, self.rows = model, caches, np.asarray(rows)
+        positions = np.array([c.length for c in caches])  # [g]: each row's absolute position
+        ctx = int(positions.max()) + 1
+        self.slots = np.zeros((len(caches), ctx), dtype=np.int64)  # [g, ctx]: pool slot of each key
+        for r, (cache, p) in enumerate(zip(caches, positions, strict=True)):
+            self.slots[r, : p + 1] = cache.slots(p + 1)  # padding points at slot 0: masked below
+        self.new_slots = self.slots[np.arange(len(caches)), positions]  # [g]
+        self.rope = {t: model.rope(positions, t) for t in model.inv_freq}  # (cos, sin) [g, head_dim]
+        self.masks = {  # layer type -> [g, 1, 1, ctx]: each row's own mask at its own offset
+            t: np.stack([_padded(model, t, int(p), ctx) for p in positions])[:, None, None, :]
+            for t in model.masks(1, 0)
+        }
+        self.pool = _paged_pool(caches[0])
+
+    def __call__(self, i: int, layer: LayerWeights, qkv: np.ndarray) -> np.ndarray:
+        cfg = self.model.config
+        g = qkv.shape[0]
+        n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q = qkv[:, : cfg.q_dim].reshape(g, n_heads, 1, hd)  # [g, n_heads, 1, head_dim]
+        k = qkv[:, cfg.q_dim : -cfg.kv_dim].reshape(g, n_kv, 1, hd)  # [g, n_kv_heads, 1, head_dim]
+        v = qkv[:, -cfg.kv_dim :].reshape(g, n_kv, 1, hd)
+        if cfg.qk_norm:
+            q = primitives.rms_norm(q, layer.q_norm, cfg.norm_eps)
+            k = primitives.rms_norm(k, layer.k_norm, cfg.norm_eps)
+        layer_type = self.model.layer_types[i]
+        if layer_type in self.rope:
+            cos, sin = (t[:, None, None, :] for t in self.rope[layer_type])  # [g, 1, 1, head_dim]
+            q = primitives.apply_rope(q, cos, sin)
+            k = primitives.apply_rope(k, cos, sin)
+        keys, values = self.pool.keys[i], self.pool.values[i]  # [n_kv_heads, slots, head_dim]
+        keys[:, self.new_slots] = k[:, :, 0].transpose(1, 0, 2)  # each row's key at its own slot
+        values[:, self.new_slots] = v[:, :, 0].transpose(1, 0, 2)
+        k_all = keys[:, self.slots].transpose(1, 0, 2, 3)  # [g, n_kv_heads, ctx, head_dim]
+        v_all = values[:, self.slots].transpose(1, 0, 2, 3)
+        z, _ = primitives.attention(q, k_all, v_all, self.masks[layer_type], cfg.attn_scale)  # [g, n_heads, 1, hd]
+        return z.reshape(g, cfg.q_dim)
+
+
+def _padded(model: Transformer, layer_type: LayerType, position: int, ctx: int) -> np.ndarray:
+    """Row ``position``'s mask ``[ctx]``, keys beyond it hidden (they are another row's padding)."""
+    row = np.full(ctx, -np.inf, dtype=np.float32)
+    row[: position + 1] = model.masks(1, position)[layer_type][0]
+    return row
+
+
+def _paged_pool(cache):
+    """The pool of a paged sequence (``paged_kv_cache.PagedSequence``), None for a contiguous cache."""
+    return getattr(cache, "pool", None)
