@@ -188,13 +188,17 @@ def summary_of(model, prompt, **kwargs) -> dict:
     return tracer.events[-1].data
 
 
+def busy(s: dict) -> bool:
+    """Other processes kept at least half a core busy during the request or the load."""
+    shares = [x for x in (s["others_cpu_share"], s.get("load_others_cpu_share", float("nan"))) if x == x]
+    return max(shares, default=0.0) * (calibrate.fingerprint()["cores"] or 1) >= 0.5
+
+
 def no_finding_unless_busy(s: dict) -> None:
     """No finding; on a busy machine the diagnosis may find slow phases, but then it must say the
     cores were shared (others' share measured during the request)."""
     phases = [f[0] for f in s["diagnosis"]["findings"]]
-    shares = [x for x in (s["others_cpu_share"], s.get("load_others_cpu_share", float("nan"))) if x == x]
-    busy = max(shares, default=0.0) * (calibrate.fingerprint()["cores"] or 1) >= 0.5  # during the request or the load
-    if busy and phases:
+    if busy(s) and phases:
         assert {"shared machine", "threads"} & set(phases), s["diagnosis"]
     else:
         assert phases == [], (s["diagnosis"], s["others_cpu_share"])
@@ -208,10 +212,13 @@ def test_default_cli_run_and_a_second_request_have_no_finding(smollm2, this_mach
     cli = minillm.Tracer.from_jsonl(trace.read_text())[-1].data
     assert cli["diagnosis"]["checks"][0][0] == "loading"  # the first request is checked against loading too
     no_finding_unless_busy(cli)
+    summaries = []
     for _ in range(2):  # a first and a second request in this process
-        s = summary_of(smollm2, "The capital of France is", max_new_tokens=8)
-        no_finding_unless_busy(s)
-    assert "first request slow" not in str(s["diagnosis"]["findings"])
+        summaries.append(summary_of(smollm2, "The capital of France is", max_new_tokens=8))
+        no_finding_unless_busy(summaries[-1])
+    # Comparing the first request with later ones is only fair when neither shared the cores.
+    if not any(busy(s) for s in summaries):
+        assert "first request slow" not in str(summaries[-1]["diagnosis"]["findings"])
 
 
 @pytest.mark.slow
