@@ -287,3 +287,22 @@ def test_two_blas_threads_against_a_spinning_neighbour_get_the_threads_advice(sm
                  others_cpu_share=s["others_cpu_share"], cores=2)
     assert d.dominant == "loading"
     assert d.findings[0][0] == "threads" and "run with --threads 1" in d.findings[0][2]
+
+
+def test_a_short_first_token_a_few_milliseconds_over_is_no_finding():
+    """2x a 20 ms estimate is 20 ms over it: fixed per-request costs the estimate leaves out, not a
+    symptom (the floor is diagnosis.MIN_EXCESS_S); 2x a 50 ms estimate (50 ms over) is one."""
+    assert diagnose(metrics(ttft=0.04), expected={**EXPECTED, "prefill": 0.0197}).findings == []
+    assert "prefill" in [f[0] for f in diagnose(metrics(prompt_tokens=100, ttft=0.101), expected=EXPECTED).findings]
+
+
+def test_a_request_that_never_got_a_first_token_is_not_compared():
+    """A request that timed out in the queue has no TTFT (rates() gives NaN): the first-request
+    comparison skips it instead of dividing by zero (a server under load once answered 500)."""
+    from minillm.observe.diagnosis import first_request_slower
+
+    done = {"prompt_tokens": 4, "prefill_s_per_token": 0.01, "tpot_s": 0.02}
+    never = RequestMetrics(prompt_tokens=4).rates()  # ttft_s 0: timed out before prefill
+    assert never["prefill_s_per_token"] != never["prefill_s_per_token"]  # NaN
+    assert first_request_slower([done, never, never]) is None
+    assert first_request_slower([never, done]) is None

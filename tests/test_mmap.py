@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import statistics
 
@@ -20,6 +21,7 @@ from test_errors import save, tiny_config, tiny_tensors  # a tiny real Llama fol
 from scripted import word_tokenizer_folder
 
 import minillm
+from minillm.observe.metrics import cpu_snapshot, others_cpu_share
 from minillm.errors import InvalidRequestError, WeightsError
 from minillm.text.tokenizer import Tokenizer
 
@@ -69,9 +71,17 @@ def test_mmap_needs_float32_and_refuses_merged_adapters(tmp_path):
         minillm.load(folder, progress=False, mmap=True, adapters=[tmp_path])
 
 
-def ttfts(model, n=3) -> list[float]:
+def ttfts(model, n=3) -> tuple[list[float], list[int]]:
+    """TTFT (seconds) and page faults (minor + major: pages the request touched for the first time)
+    of ``n`` requests in a row."""
     greedy = minillm.SamplingParams(temperature=0.0)
-    return [minillm.generate(model, PROMPT, greedy, max_new_tokens=2).metrics.ttft_s for _ in range(n)]
+    times, faults = [], []
+    for _ in range(n):
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        times.append(minillm.generate(model, PROMPT, greedy, max_new_tokens=2).metrics.ttft_s)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        faults.append(after.ru_minflt + after.ru_majflt - before.ru_minflt - before.ru_majflt)
+    return times, faults
 
 
 def fresh_copy(folder, tmp_path):
@@ -89,21 +99,32 @@ def fresh_copy(folder, tmp_path):
 
 @pytest.mark.slow
 def test_first_request_pays_the_page_ins_and_warmup_removes_them(smollm2, tmp_path):
-    """Cold (pages dropped, no warm-up): the first TTFT is several times the warm ones (measured
-    here: 0.48-0.67 s vs 0.07-0.11 s, 6x, on a busy 2-core machine); asserted > 2x. With a
-    warm-up the first request is timed like the others: asserted < 1.5x."""
+    """Cold (pages dropped, no warm-up): the first request takes the weight pages' faults and its TTFT
+    is several times the warm ones (measured here: 0.41 s vs 0.045 s, 9x); asserted > 2x when the
+    cores were ours. With a warm-up the first request is timed like the others: asserted < 1.5x.
+    The page faults are asserted whatever the machine is doing."""
     folder = fresh_copy(smollm2.path, tmp_path)
     file = folder / "model.safetensors"
     drop_from_page_cache(file)
+    cpu_before = cpu_snapshot()
     cold = minillm.load(folder, progress=False, warmup=False, mmap=True)
-    cold_t = ttfts(cold)
+    cold_t, cold_faults = ttfts(cold)
     del cold
     drop_from_page_cache(file)
     warmed = minillm.load(folder, progress=False, warmup=True, mmap=True)
-    warm_t = ttfts(warmed)
+    warm_t, warm_faults = ttfts(warmed)
     del warmed
+    busy = others_cpu_share(cpu_before, cpu_snapshot()) * (os.cpu_count() or 1) >= 0.5
     cold_ratio = cold_t[0] / statistics.median(cold_t[1:])
     warm_ratio = warm_t[0] / statistics.median(warm_t[1:])
     print(f"TTFT cold first {cold_t[0]:.3f} s, then {cold_t[1:]}; warmed first {warm_t[0]:.3f} s, then {warm_t[1:]}")
-    assert cold_ratio > 2.0, (cold_t, warm_t)
-    assert warm_ratio < 1.5, (cold_t, warm_t)
+    print(f"page faults cold {cold_faults}, warmed {warm_faults}")
+    # The cause, whatever the machine is doing: the cold first request touches every weight page
+    # (538 MB = 131,000 pages of 4 KiB; Linux maps up to 16 neighbours per fault, "fault-around",
+    # so about 8,000 faults: measured 7,485), the later requests and a warmed first one almost none.
+    weight_pages = os.path.getsize(file) // 4096
+    assert cold_faults[0] > weight_pages // 32, (cold_faults, weight_pages)
+    assert max(cold_faults[1:]) < cold_faults[0] // 20 and warm_faults[0] < cold_faults[0] // 20, warm_faults
+    if not busy:  # the effect in seconds, on a machine whose cores are ours
+        assert cold_ratio > 2.0, (cold_t, warm_t)
+        assert warm_ratio < 1.5, (cold_t, warm_t)

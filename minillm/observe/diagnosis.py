@@ -34,6 +34,11 @@ from minillm.runtime.request import RequestMetrics
 #: measured rates, so a margin keeps a healthy request from ever being called slow.
 THRESHOLD = 2.0
 
+#: ... and, for the first token, more than this many seconds over it: the estimate counts bytes and
+#: FLOPs, and a short prompt's first token is mostly the fixed costs it leaves out (tokenizing, the
+#: Python between the layers), so tens of milliseconds over it are no symptom a user could see.
+MIN_EXCESS_S = {"prefill": 0.04}
+
 #: (symptom, what it points to) for each phase, in the words of the table above.
 TABLE = {
     "loading": (
@@ -94,7 +99,9 @@ class PhaseCheck:
 
     @property
     def slow(self) -> bool:
-        return self.ratio > THRESHOLD  # NaN compares False: no expectation, no finding
+        excess = self.measured_s - (self.expected_s or 0.0)
+        # NaN compares False: no expectation, no finding
+        return self.ratio > THRESHOLD and excess > MIN_EXCESS_S.get(self.phase, 0.0)
 
 
 @dataclass
@@ -152,12 +159,13 @@ def first_request_slower(history: list[dict]) -> tuple[str, float] | None:
         return None
     first, later = history[0], history[1:]
     found = []
-    tpots = [h["tpot_s"] for h in later if h["tpot_s"] == h["tpot_s"]]
-    if tpots and first["tpot_s"] == first["tpot_s"]:
+    tpots = [h["tpot_s"] for h in later if h["tpot_s"] > 0]  # NaN (no decode step) compares False
+    if tpots and first["tpot_s"] > 0:
         found.append(("TPOT", first["tpot_s"] / statistics.median(tpots)))
     n = first["prompt_tokens"]
     similar = [h["prefill_s_per_token"] for h in later if n / 2 <= h["prompt_tokens"] <= 2 * n]
-    if similar:
+    similar = [x for x in similar if x > 0]  # NaN (no first token) and 0 compare with nothing
+    if similar and first["prefill_s_per_token"] > 0:
         found.append(("prefill per token", first["prefill_s_per_token"] / statistics.median(similar)))
     worst = max(found, key=lambda f: f[1], default=None)
     return worst if worst is not None and worst[1] > THRESHOLD else None

@@ -60,11 +60,12 @@ class RequestMetrics:
         return 1.0 / self.tpot_s if self.decode_step_s else float("nan")
 
     def rates(self) -> dict:
-        """The per-token rates ``Model.history`` keeps: prompt tokens, TTFT seconds per prompt token,
-        mean TPOT seconds (NaN without decode steps)."""
+        """The per-token rates ``Model.history`` keeps: prompt tokens, TTFT seconds per prompt token
+        (NaN without a first token), mean TPOT seconds (NaN without decode steps)."""
         return {
             "prompt_tokens": self.prompt_tokens,
-            "prefill_s_per_token": self.ttft_s / max(self.prompt_tokens, 1),
+            # NaN when no first token came (cancelled or timed out before it): nothing was measured
+            "prefill_s_per_token": self.ttft_s / max(self.prompt_tokens, 1) if self.ttft_s > 0 else float("nan"),
             "tpot_s": self.tpot_s,
         }
 
