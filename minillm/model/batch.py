@@ -5,20 +5,23 @@ its own sequence's keys and values, under its own causal mask. :class:`BatchAtte
 rows by sequence. Decode rows whose keys live in one paged pool are attended together
 (:class:`DecodeRows`: keys gathered from each row's blocks, padded to the longest context, each
 row's own mask hiding the padding); any other sequence goes through the one-sequence path
-(``transformer.SequenceAttention``), exactly as ``Transformer.forward`` would run it.
+(:class:`SequenceAttention`), exactly as ``Transformer.forward`` runs it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from minillm.errors import InvalidRequestError
 from minillm.model import primitives
 from minillm.model.families import LayerType
 
 if TYPE_CHECKING:  # transformer.py imports this module; the types only are needed here
-    from minillm.model.transformer import Hook, SequenceAttention, Transformer
+    from minillm.model.kv_cache import KVCache
+    from minillm.model.transformer import Hook, Transformer
     from minillm.model.weights import LayerWeights
 
 
@@ -110,3 +113,75 @@ def _padded(model: Transformer, layer_type: LayerType, position: int, ctx: int) 
 def _paged_pool(cache):
     """The pool of a paged sequence (``paged_kv_cache.PagedSequence``), None for a contiguous cache."""
     return getattr(cache, "pool", None)
+
+
+def forward_batch(
+    model: Transformer, chunks: Sequence[tuple[np.ndarray, KVCache]], *, all_logits: bool = False
+) -> np.ndarray:
+    """Run several sequences in one pass: each ``(token_ids, cache)`` feeds ``token_ids`` at
+    positions ``cache.length..`` of its own cache (a decode row is one id, a prefill chunk many).
+
+    The rows of every sequence are stacked into one ``[rows, d_model]`` matrix, so each
+    projection reads its weights once for the whole batch (``[rows, d_model] @ W.T``); that is
+    what batching buys, as the weights dominate a decode step's memory traffic. Attention alone
+    runs per sequence, over that sequence's own cached keys and values with its own causal mask
+    (:class:`BatchAttention`): rows of different sequences never see each other. Each row gets
+    the same numbers as :meth:`Transformer.forward` on that sequence alone, up to float32 rounding of the
+    products (BLAS sums a matrix product in another order than a matrix-vector product).
+
+    Args:
+        chunks: ``(token_ids [seq_j] int, cache)`` per sequence; ``cache`` is a :class:`KVCache`
+            or anything with its interface (a paged cache's sequence, ``paged_kv_cache.py``).
+            Each cache is written at ``cache.length..+seq_j`` and advanced by ``seq_j``.
+        all_logits: return logits for every row (tests, lessons) instead of the last row of
+            each sequence (what sampling needs; saves the LM head's work on prefill rows).
+
+    Returns:
+        float32 logits ``[n_sequences, vocab]`` (the last row of each chunk), or
+        ``[rows, vocab]`` with ``all_logits`` (rows in the order of ``chunks``).
+
+    Raises:
+        InvalidRequestError: no chunks, or a chunk without tokens.
+        KVCacheFullError / KVCacheMismatchError: as :meth:`Transformer.forward`, for any sequence.
+    """
+    if not chunks:
+        raise InvalidRequestError("forward_batch got no sequences; pass at least one (token_ids, cache) pair.")
+    ids = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in chunks]
+    sequences, positions = [], []
+    for j, (token_ids, (_, cache)) in enumerate(zip(ids, chunks, strict=True)):
+        if len(token_ids) == 0:
+            raise InvalidRequestError(f"forward_batch: sequence {j} has no tokens; feed at least one per sequence.")
+        cache.check_compatible(model.config)
+        cache.check_room(len(token_ids))
+        positions.append(np.arange(cache.length, cache.length + len(token_ids)))  # [seq_j]
+        sequences.append(SequenceAttention(model, positions[-1], cache))
+    bounds = np.cumsum([0] + [len(t) for t in ids])  # sequence j owns rows bounds[j]:bounds[j+1]
+    attend = BatchAttention(sequences, bounds)
+
+    batched = primitives.BATCHED.set(True)  # products with few rows take few_rows_product
+    try:
+        x = model.embed(np.concatenate(ids), np.concatenate(positions))  # [rows, d_model]
+        for i, layer in enumerate(model.weights.layers):
+            x = model.decoder_layer(i, x, layer, attend)
+        for token_ids, (_, cache) in zip(ids, chunks, strict=True):
+            cache.advance(len(token_ids))
+        if not all_logits:
+            x = x[bounds[1:] - 1]  # [n_sequences, d_model]: each sequence's last row
+        return model.head(x)
+    finally:
+        primitives.BATCHED.reset(batched)
+
+
+class SequenceAttention:
+    """The per-sequence part of attention for one forward pass: this sequence's RoPE angles and masks
+    (from its positions) and its KV cache. Called once per layer: ``attend(i, layer, qkv, hook) -> z``.
+    """
+
+    def __init__(self, model: Transformer, positions: np.ndarray, cache: KVCache | None):
+        self.model, self.cache = model, cache
+        self.rope = {t: model.rope(positions, t) for t in model.inv_freq}  # layer type -> (cos, sin) [seq, head_dim]
+        self.masks = model.masks(len(positions), int(positions[0]))  # layer type -> [seq, ctx]
+
+    def __call__(self, i: int, layer: LayerWeights, qkv: np.ndarray, hook: Hook | None = None) -> np.ndarray:
+        layer_type = self.model.layer_types[i]
+        return self.model.attention(i, layer, qkv, self.rope.get(layer_type), self.masks[layer_type], self.cache, hook)

@@ -15,20 +15,13 @@ Read top to bottom: ``forward`` embeds the tokens and runs every ``decoder_layer
                 x = x + m
     logits = norm(x) @ W_head.T [soft-capped, if final_logit_softcapping is set]
 
-``prefill`` and ``decode_step`` (``runtime/steps.py``) both call :meth:`Transformer.forward`; they
-differ only in how many positions they feed. :meth:`Transformer.forward_batch` runs several
-sequences through the same lines: their rows stacked for every projection, attention per sequence
-(the ``attend`` object a layer is given: :class:`SequenceAttention`, or ``batch.BatchAttention``).
-The positions come from the cache's ``length``, and the masks use the same rule with that offset
-(``primitives.causal_mask``).
-
-Every family runs through the same lines; where one differs, a flag of ``ModelConfig`` says so
-(set in ``families.py``). The math is ``primitives.py``; the weights' layout is ``weights.py``.
-Two things hook in from outside without living in these lines: unmerged LoRA adapters add their
-low-rank paths inside ``LayerWeights.project`` (``lora.py``), and activation capture is a ``hook``
-the blocks call once with their intermediates, named as in TransformerLens (embed, resid_pre, q,
-k, v, rot_q, rot_k, pattern, z, attn_out, resid_mid, mlp_out, resid_post). The reference
-implementations are transformers' ``models/{llama,gpt2,qwen2,qwen3,gemma3}/modeling_*.py``.
+``prefill`` and ``decode_step`` (``runtime/steps.py``) both call ``forward``, feeding more or fewer
+positions from the cache's ``length`` (masks: the same rule with that offset). ``forward_batch``
+(``batch.py``) runs several sequences through the same layer: rows stacked, attention per sequence.
+Families differ only by ``ModelConfig`` flags (``families.py``); the math is ``primitives.py``.
+LoRA adds its low-rank paths inside ``LayerWeights.project`` (``lora.py``); capture is a ``hook``
+the blocks call with TransformerLens names (embed, resid_pre, q, k, v, rot_q, rot_k, pattern, z,
+attn_out, resid_mid, mlp_out, resid_post). Reference: transformers' ``models/*/modeling_*.py``.
 """
 
 from __future__ import annotations
@@ -37,9 +30,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from minillm.errors import InvalidRequestError
-from minillm.model import held, primitives
-from minillm.model.batch import BatchAttention
+from minillm.model import batch, held, primitives
+from minillm.model.batch import SequenceAttention
 from minillm.model.config import ModelConfig
 from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
 from minillm.model.kv_cache import KVCache
@@ -105,12 +97,7 @@ class Transformer:
 
     # --- the forward pass ----------------------------------------------------------------------------
     def forward(
-        self,
-        token_ids: np.ndarray,
-        cache: KVCache | None = None,
-        *,
-        last_only: bool = False,
-        capture: dict[str, np.ndarray] | None = None,
+        self, token_ids: np.ndarray, cache: KVCache | None = None, *, last_only: bool = False, capture=None
     ) -> np.ndarray:
         """Run the model over ``token_ids`` at positions ``cache.length ..``.
 
@@ -156,58 +143,9 @@ class Transformer:
         return self.head(x)
 
     def forward_batch(self, chunks: Sequence[tuple[np.ndarray, KVCache]], *, all_logits: bool = False) -> np.ndarray:
-        """Run several sequences in one pass: each ``(token_ids, cache)`` feeds ``token_ids`` at
-        positions ``cache.length..`` of its own cache (a decode row is one id, a prefill chunk many).
-
-        The rows of every sequence are stacked into one ``[rows, d_model]`` matrix, so each
-        projection reads its weights once for the whole batch (``[rows, d_model] @ W.T``); that is
-        what batching buys, as the weights dominate a decode step's memory traffic. Attention alone
-        runs per sequence, over that sequence's own cached keys and values with its own causal mask
-        (:class:`BatchAttention`): rows of different sequences never see each other. Each row gets
-        the same numbers as :meth:`forward` on that sequence alone, up to float32 rounding of the
-        products (BLAS sums a matrix product in another order than a matrix-vector product).
-
-        Args:
-            chunks: ``(token_ids [seq_j] int, cache)`` per sequence; ``cache`` is a :class:`KVCache`
-                or anything with its interface (a paged cache's sequence, ``paged_kv_cache.py``).
-                Each cache is written at ``cache.length..+seq_j`` and advanced by ``seq_j``.
-            all_logits: return logits for every row (tests, lessons) instead of the last row of
-                each sequence (what sampling needs; saves the LM head's work on prefill rows).
-
-        Returns:
-            float32 logits ``[n_sequences, vocab]`` (the last row of each chunk), or
-            ``[rows, vocab]`` with ``all_logits`` (rows in the order of ``chunks``).
-
-        Raises:
-            InvalidRequestError: no chunks, or a chunk without tokens.
-            KVCacheFullError / KVCacheMismatchError: as :meth:`forward`, for any sequence.
-        """
-        if not chunks:
-            raise InvalidRequestError("forward_batch got no sequences; pass at least one (token_ids, cache) pair.")
-        ids = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in chunks]
-        sequences, positions = [], []
-        for j, (token_ids, (_, cache)) in enumerate(zip(ids, chunks, strict=True)):
-            if len(token_ids) == 0:
-                raise InvalidRequestError(f"forward_batch: sequence {j} has no tokens; feed at least one per sequence.")
-            cache.check_compatible(self.config)
-            cache.check_room(len(token_ids))
-            positions.append(np.arange(cache.length, cache.length + len(token_ids)))  # [seq_j]
-            sequences.append(SequenceAttention(self, positions[-1], cache))
-        bounds = np.cumsum([0] + [len(t) for t in ids])  # sequence j owns rows bounds[j]:bounds[j+1]
-        attend = BatchAttention(sequences, bounds)
-
-        batched = primitives.BATCHED.set(True)  # products with few rows take few_rows_product
-        try:
-            x = self.embed(np.concatenate(ids), np.concatenate(positions))  # [rows, d_model]
-            for i, layer in enumerate(self.weights.layers):
-                x = self.decoder_layer(i, x, layer, attend)
-            for token_ids, (_, cache) in zip(ids, chunks, strict=True):
-                cache.advance(len(token_ids))
-            if not all_logits:
-                x = x[bounds[1:] - 1]  # [n_sequences, d_model]: each sequence's last row
-            return self.head(x)
-        finally:
-            primitives.BATCHED.reset(batched)
+        """Several sequences in one pass, rows stacked for every projection, attention per sequence
+        (``batch.forward_batch``, where the shapes and errors are): logits ``[n_sequences, vocab]``."""
+        return batch.forward_batch(self, chunks, all_logits=all_logits)
 
     # --- the pieces of a forward pass ---------------------------------------------------------------
     def embed(self, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -299,21 +237,6 @@ class Transformer:
             gate, up = gate_up[:, :ffn], gate_up[:, ffn:]  # each [seq, ffn], views
             return layer.project("down", self.act(gate) * up)
         return layer.project("down", self.act(layer.project("up", h)))
-
-
-class SequenceAttention:
-    """The per-sequence part of attention for one forward pass: this sequence's RoPE angles and masks
-    (from its positions) and its KV cache. Called once per layer: ``attend(i, layer, qkv, hook) -> z``.
-    """
-
-    def __init__(self, model: Transformer, positions: np.ndarray, cache: KVCache | None):
-        self.model, self.cache = model, cache
-        self.rope = {t: model.rope(positions, t) for t in model.inv_freq}  # layer type -> (cos, sin) [seq, head_dim]
-        self.masks = model.masks(len(positions), int(positions[0]))  # layer type -> [seq, ctx]
-
-    def __call__(self, i: int, layer: LayerWeights, qkv: np.ndarray, hook: Hook | None = None) -> np.ndarray:
-        layer_type = self.model.layer_types[i]
-        return self.model.attention(i, layer, qkv, self.rope.get(layer_type), self.masks[layer_type], self.cache, hook)
 
 
 def _recorder(capture: dict[str, np.ndarray], prefix: str) -> Hook:
