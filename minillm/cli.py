@@ -277,14 +277,7 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
     from minillm.runtime.stopping import StopReason
 
     _check_request_args(args)
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-    )
+    params = SamplingParams.from_fields(args)
 
     attachment = read_attachment(args.file) if args.file else None
     tracer = Tracer(console if args.trace == "rich" else None, verbosity=args.verbosity)

@@ -253,3 +253,14 @@ def test_top_p_ties_and_exact_boundaries_match_transformers(logits, p):
     logits = np.array(logits, np.float32)
     expected = hf(TopPLogitsWarper(p), logits)
     np.testing.assert_array_equal(apply_top_p(logits, p), expected)
+
+
+def test_params_from_fields_of_cli_arguments_and_request_bodies():
+    """The CLI's parsed arguments and the server's request body build params by attribute name; the
+    constructor's checks still apply (expected values: the same fields passed by keyword)."""
+    import argparse
+
+    fields = dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.1, seed=3)
+    assert SamplingParams.from_fields(argparse.Namespace(**fields, model="x")) == SamplingParams(**fields)
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        SamplingParams.from_fields(argparse.Namespace(**{**fields, "top_p": 1.5}))

@@ -88,6 +88,14 @@ class SamplingParams:
         ):
             raise SamplingParamsError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
 
+    @classmethod
+    def from_fields(cls, source: object) -> SamplingParams:
+        """The params named by ``source``'s attributes of the same names (a CLI's parsed arguments, an
+        HTTP request's body): ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
+        ``seed``. Raises SamplingParamsError as the constructor does."""
+        names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+        return cls(**{name: getattr(source, name) for name in names})
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

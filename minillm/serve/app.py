@@ -216,14 +216,7 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
             param="max_tokens",
         )
     try:
-        params = minillm.SamplingParams(
-            temperature=body.temperature,
-            top_k=body.top_k,
-            top_p=body.top_p,
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
-            seed=body.seed,
-        )
+        params = minillm.SamplingParams.from_fields(body)
     except minillm.MiniLLMError as exc:
         raise _runtime_error(exc) from None
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
