@@ -110,6 +110,13 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
         "gguf (the model's GGUF blocks kept packed, e.g. Q4_1). Norms stay float32; the math is float32",
     )
     p.add_argument(
+        "--kv-dtype",
+        choices=("float32", "float16", "int8"),
+        default="float32",
+        help="how the KV cache holds keys and values: float32 (default); float16 (half the bytes); "
+        "int8 (+ a float32 scale per position and head). Attention still computes in float32",
+    )
+    p.add_argument(
         "--adapter",
         action="append",
         default=None,
@@ -331,6 +338,7 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
             include_stop_string=args.include_stop_string,
             timeout_s=args.timeout,
             max_seq_len=args.max_seq_len,
+            kv_dtype=args.kv_dtype,
             cancel=cancel,
             result=results,
         ):

@@ -43,52 +43,74 @@ _NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8)
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    """The float16 at byte ``start`` of every block, as float32 ``[n_blocks, 1]``."""
-    return blocks[:, start : start + 2].copy().view(np.float16).astype(np.float32)
+    """The float16 at byte ``start`` (even) of every block, as float32 ``[n_blocks, 1]``.
+
+    Every block size is even and every float16 field sits at an even byte, so the blocks are read
+    as float16 pairs in place (a view, no copy of the bytes)."""
+    return _halves(blocks)[:, start // 2 : start // 2 + 1].astype(np.float32)
+
+
+def _halves(blocks: np.ndarray) -> np.ndarray:
+    """``[n, type_size]`` bytes viewed as ``[n, type_size / 2]`` float16 (a copy only if not contiguous)."""
+    return np.ascontiguousarray(blocks).view(np.float16)
 
 
 def _nibbles(qs: np.ndarray, group: int) -> np.ndarray:
     """Split bytes into 4-bit values: ``[n, k * group]`` bytes -> ``[n, k, 2, group]`` uint8 (low nibbles
     of each run of ``group`` bytes first, then its high nibbles)."""
     n = qs.shape[0]
-    return (qs.reshape(n, -1, 1, group) >> _NIBBLE_SHIFTS.reshape(1, 1, 2, 1)) & np.uint8(0x0F)
+    q = qs.reshape(n, -1, 1, group)
+    out = np.empty((n, q.shape[1], 2, group), dtype=np.uint8)
+    np.bitwise_and(q[:, :, 0], np.uint8(0x0F), out=out[:, :, 0])
+    np.right_shift(q[:, :, 0], np.uint8(4), out=out[:, :, 1])
+    return out
 
 
 def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
     """Bit ``i`` of a little-endian 32-bit field ``qh`` ``[n, 4]`` bytes -> ``[n, count]`` uint8 (0 or 1)."""
-    bits = qh.copy().view(np.uint32) >> np.arange(count, dtype=np.uint32)  # [n, count]
+    bits = np.ascontiguousarray(qh).view(np.uint32) >> np.arange(count, dtype=np.uint32)  # [n, count]
     return (bits & np.uint32(1)).astype(np.uint8)
+
+
+# The products below write float32 straight from the small integers (``np.multiply(q, d, dtype=...)``
+# casts each value exactly on the way), instead of first making a float32 copy of q and then a
+# second array for the product: one pass over the output instead of three. Same operations in the
+# same order as the reference, so the same bits.
 
 
 # --- the 32-value formats -------------------------------------------------------------------------
 def dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
     """Q8_0 ``[n, 34]`` bytes (d f16, 32 int8) -> float32 ``[n, 32]``: ``q * d``."""
-    return blocks[:, 2:].view(np.int8).astype(np.float32) * _f16(blocks, 0)
+    return np.multiply(blocks[:, 2:].view(np.int8), _f16(blocks, 0), dtype=np.float32)
 
 
 def dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
     """Q4_0 ``[n, 18]`` bytes (d f16, 16 bytes of nibbles) -> float32 ``[n, 32]``: ``d * (q - 8)``."""
-    q = _nibbles(blocks[:, 2:], 16).reshape(-1, 32).astype(np.int8) - np.int8(8)
-    return _f16(blocks, 0) * q.astype(np.float32)
+    q = _nibbles(blocks[:, 2:], 16).reshape(-1, 32).view(np.int8) - np.int8(8)
+    return np.multiply(_f16(blocks, 0), q, dtype=np.float32)
 
 
 def dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
     """Q4_1 ``[n, 20]`` bytes (d f16, m f16, 16 bytes of nibbles) -> float32 ``[n, 32]``: ``d * q + m``."""
-    q = _nibbles(blocks[:, 4:], 16).reshape(-1, 32).astype(np.float32)
-    return _f16(blocks, 0) * q + _f16(blocks, 2)
+    q = _nibbles(blocks[:, 4:], 16).reshape(-1, 32)
+    out = np.multiply(_f16(blocks, 0), q, dtype=np.float32)
+    out += _f16(blocks, 2)
+    return out
 
 
 def dequantize_q5_0(blocks: np.ndarray) -> np.ndarray:
     """Q5_0 ``[n, 22]`` bytes (d f16, qh u32: bit i = 5th bit of value i, 16 bytes of nibbles) ->
     float32 ``[n, 32]``: ``d * (q - 16)``."""
     q = _nibbles(blocks[:, 6:], 16).reshape(-1, 32) | (_high_bits(blocks[:, 2:6], 32) << np.uint8(4))
-    return _f16(blocks, 0) * (q.astype(np.int8) - np.int8(16)).astype(np.float32)
+    return np.multiply(_f16(blocks, 0), q.view(np.int8) - np.int8(16), dtype=np.float32)
 
 
 def dequantize_q5_1(blocks: np.ndarray) -> np.ndarray:
     """Q5_1 ``[n, 24]`` bytes (d f16, m f16, qh u32, 16 bytes of nibbles) -> float32 ``[n, 32]``: ``d * q + m``."""
     q = _nibbles(blocks[:, 8:], 16).reshape(-1, 32) | (_high_bits(blocks[:, 4:8], 32) << np.uint8(4))
-    return _f16(blocks, 0) * q.astype(np.float32) + _f16(blocks, 2)
+    out = np.multiply(_f16(blocks, 0), q, dtype=np.float32)
+    out += _f16(blocks, 2)
+    return out
 
 
 # --- the K formats: super-blocks of 256 -----------------------------------------------------------
@@ -113,8 +135,9 @@ def dequantize_q4_k(blocks: np.ndarray) -> np.ndarray:
     sc, mn = _k_scales_mins(blocks[:, 4:16])
     d = (_f16(blocks, 0) * sc.astype(np.float32)).reshape(n, 8, 1)
     dm = (_f16(blocks, 2) * mn.astype(np.float32)).reshape(n, 8, 1)
-    q = _nibbles(blocks[:, 16:], 32).reshape(n, 8, 32).astype(np.float32)
-    return (d * q - dm).reshape(n, QK_K)
+    out = np.multiply(d, _nibbles(blocks[:, 16:], 32).reshape(n, 8, 32), dtype=np.float32)
+    out -= dm
+    return out.reshape(n, QK_K)
 
 
 def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
@@ -126,7 +149,9 @@ def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
     dm = (_f16(blocks, 2) * mn.astype(np.float32)).reshape(n, 8, 1)
     high = (blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
     q = _nibbles(blocks[:, 48:], 32).reshape(n, 8, 32) | (high << np.uint8(4))
-    return (d * q.astype(np.float32) - dm).reshape(n, QK_K)
+    out = np.multiply(d, q, dtype=np.float32)
+    out -= dm
+    return out.reshape(n, QK_K)
 
 
 def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
@@ -138,24 +163,24 @@ def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     low = _nibbles(blocks[:, :128], 64).reshape(n, 2, 2, 2, 32)  # [n, half, nibble, k % 2, l]
     low = low.reshape(n, 2, 4, 32)  # [n, half, k = 2 * nibble + k % 2, l]
     top = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    q = (low | (top << np.uint8(4))).astype(np.int8) - np.int8(32)  # [n, 2, 4, 32]
-    d = (_f16(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)).reshape(n, 16, 1)
-    return (d * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, QK_K)
+    q = (low | (top << np.uint8(4))).view(np.int8) - np.int8(32)  # [n, 2, 4, 32]
+    d = np.multiply(_f16(blocks, 208), blocks[:, 192:208].view(np.int8), dtype=np.float32).reshape(n, 16, 1)
+    return np.multiply(d, q.reshape(n, 16, 16), dtype=np.float32).reshape(n, QK_K)
 
 
 def dequantize_f16(blocks: np.ndarray) -> np.ndarray:
     """F16 ``[n, 2]`` bytes -> float32 ``[n, 1]``."""
-    return blocks.copy().view(np.float16).astype(np.float32)
+    return _halves(blocks).astype(np.float32)
 
 
 def dequantize_bf16(blocks: np.ndarray) -> np.ndarray:
     """BF16 ``[n, 2]`` bytes -> float32 ``[n, 1]``: the 16 bits are float32's top half."""
-    return (blocks.copy().view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return (np.ascontiguousarray(blocks).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def dequantize_f32(blocks: np.ndarray) -> np.ndarray:
     """F32 ``[n, 4]`` bytes -> float32 ``[n, 1]``."""
-    return blocks.copy().view(np.float32)
+    return blocks.copy().view(np.float32)  # a copy: the caller may write to what it gets
 
 
 @dataclass(frozen=True)

@@ -271,7 +271,7 @@ class Renderer:
                 if m["others_cpu_share"] != m["others_cpu_share"]  # NaN
                 else f"{m['others_cpu_share']:.0%} of the cores",
             ),
-            ("KV cache per token", format_bytes(m["kv_bytes_per_token"])),
+            ("KV cache per token", f"{format_bytes(m['kv_bytes_per_token'])} ({m.get('kv_dtype', 'float32')})"),
             (
                 "KV cache this request",
                 f"{format_bytes(m['kv_bytes_used'])} used of {format_bytes(m['kv_bytes_reserved'])} reserved",
@@ -297,6 +297,8 @@ class Renderer:
         table = Table(
             title=f"memory: {m['parameters']:,} parameters, context {m['context']:,}",
             title_justify="left",
+            caption="* the KV dtype this request used",
+            caption_justify="left",
             box=None,
             padding=(0, 2),
         )
@@ -308,7 +310,11 @@ class Renderer:
             if i < len(weights):
                 name, nbytes = weights[i]
                 w = (name, f"{bits_per_weight(WEIGHT_FORMATS[name]):.2f}", format_bytes(nbytes))
-            k = (kv[i][0], format_bytes(kv[i][1][0]), format_bytes(kv[i][1][1])) if i < len(kv) else ("", "", "")
+            k = ("", "", "")
+            if i < len(kv):
+                name, (per_token, full) = kv[i]
+                in_use = name.split("+")[0] == m.get("kv_dtype", "float32")  # "int8+scale" is KVCache's "int8"
+                k = (f"{name} *" if in_use else name, format_bytes(per_token), format_bytes(full))
             table.add_row(*w, *k)
         return table
 

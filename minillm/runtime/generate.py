@@ -40,13 +40,14 @@ def stream(
             ``minillm.Tracer``; start is ``time.perf_counter()`` seconds, duration seconds.
         result: if a list, the :class:`GenerationResult` is appended to it at the end.
         **options: the request's options, checked by :class:`~minillm.runtime.request.Request`:
-            ``max_new_tokens`` (64), ``chat``, ``rng``, ``max_seq_len``, ``cache``, ``stop``,
+            ``max_new_tokens`` (64), ``chat``, ``rng``, ``max_seq_len``, ``cache``, ``kv_dtype``
+            (``"float32"`` | ``"float16"`` | ``"int8"``: how the request's KV cache holds entries), ``stop``,
             ``stop_token_ids``, ``include_stop_string``, ``timeout_s``, ``cancel``.
 
     Raises:
         InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
             sequence, ``timeout_s <= 0``, a ``cancel`` that is neither Event nor callable, an
-            unknown option.
+            unknown option, a ``kv_dtype`` outside float32 | float16 | int8.
         ContextWindowExceeded: the prompt leaves no room for a new token (before prefill).
     """
     if unknown := sorted(set(options) - Request.OPTIONS):
@@ -127,7 +128,8 @@ def generate_batch(
             used/free, prefix hits, preemptions, block tables), e.g. ``minillm.Tracer``.
         **options: request options for every prompt, as :func:`stream` (``chat``, ``stop``,
             ``stop_token_ids``, ``include_stop_string``, ``timeout_s``, ``cancel``, ``rng``,
-            ``max_seq_len``); not ``cache``.
+            ``max_seq_len``); not ``cache``; ``kv_dtype`` only ``"float32"`` (the paged pool's blocks
+            are float32; float16/int8 KV work with :func:`generate` and :func:`stream`).
 
     Returns:
         one :class:`GenerationResult` per prompt, in the prompts' order; ``metrics`` adds
@@ -136,7 +138,8 @@ def generate_batch(
     Raises:
         InvalidRequestError: no prompts, a per-prompt list whose length is not the prompts', an
             unknown option, ``block_size``/``max_batched_tokens``/``max_num_seqs`` < 1, a pool
-            that holds no block, or any request argument :func:`stream` refuses.
+            that holds no block, a ``kv_dtype`` other than float32, or any request argument
+            :func:`stream` refuses.
         KVCachePoolTooSmall: a request needs more blocks than the whole pool (refused before any
             model work).
     """

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minillm.errors import ContextWindowExceeded, InvalidRequestError
-from minillm.model.kv_cache import KVCache
+from minillm.model.kv_cache import KV_DTYPES, KVCache
 from minillm.runtime import sampling, steps
 from minillm.runtime.loading import Model
 from minillm.runtime.sampling import SamplingParams
@@ -36,6 +36,7 @@ class RequestMetrics:
     ttft_s: float = 0.0
     decode_step_s: list[float] = field(default_factory=list)
     total_s: float = 0.0
+    kv_dtype: str = "float32"  # how the KV cache held its entries (KVCache dtype)
     kv_bytes_per_token: int = 0
     kv_bytes_used: int = 0
     kv_bytes_reserved: int = 0
@@ -166,6 +167,9 @@ class Request:
             with ``CONTEXT_FULL`` (no exception).
         cache: reuse a cache (reset before and after the request); default a fresh one, freed
             at the end.
+        kv_dtype: how a fresh cache holds keys and values: ``"float32"`` (default), ``"float16"``
+            or ``"int8"`` (+ a float32 scale per position and head; ``KVCache``). With ``cache``,
+            None or the cache's own dtype.
         stop: stop strings, found in the text across token boundaries; the text is cut before
             the earliest match (held back while streaming, so it never leaks). They are matched
             in the shown text, where special tokens are hidden: stop on those with stop_token_ids.
@@ -177,7 +181,8 @@ class Request:
 
     Raises (on construction):
         InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
-            sequence, ``timeout_s <= 0``, a ``cancel`` that is neither Event nor callable.
+            sequence, ``timeout_s <= 0``, a ``cancel`` that is neither Event nor callable, a
+            ``kv_dtype`` not in ``KV_DTYPES`` or not the given cache's.
         ContextWindowExceeded: the prompt leaves no room for a new token.
     """
 
@@ -189,6 +194,7 @@ class Request:
             "rng",
             "max_seq_len",
             "cache",
+            "kv_dtype",
             "stop",
             "stop_token_ids",
             "include_stop_string",
@@ -209,6 +215,7 @@ class Request:
         rng: np.random.Generator | None = None,
         max_seq_len: int | None = None,
         cache: KVCache | None = None,
+        kv_dtype: str | None = None,
         stop: list[str] | str | None = None,
         stop_token_ids: list[list[int]] | None = None,
         include_stop_string: bool = False,
@@ -221,6 +228,7 @@ class Request:
             )
         if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
             raise InvalidRequestError(f"timeout_s must be a number of seconds > 0 (or None), got {timeout_s!r}.")
+        self.kv_dtype = check_kv_dtype(kv_dtype, cache)
         self.model, self.listener, self.max_new_tokens = model, listener, max_new_tokens
         self.include_stop_string, self.timeout_s = include_stop_string, timeout_s
         # The stop chain validates the stop arguments, before any model work.
@@ -274,7 +282,7 @@ class Request:
     def new_cache(self, max_seq_len: int) -> KVCache:
         """The request's own cache of ``max_seq_len`` positions: a contiguous :class:`KVCache` here;
         a batched request takes a sequence of the shared paged pool instead (``scheduler.py``)."""
-        return KVCache.for_model(self.model.config, max_seq_len)
+        return KVCache.for_model(self.model.config, max_seq_len, dtype=self.kv_dtype)
 
     def _emit(self, phase: str, start: float, duration: float, **facts) -> None:
         if self.listener is not None:
@@ -359,6 +367,7 @@ class Request:
         m = self.metrics
         m.total_s = time.perf_counter() - self.t0
         m.new_tokens = len(self.new_ids)
+        m.kv_dtype = getattr(self.cache, "dtype", "float32")  # a paged sequence holds float32
         m.kv_bytes_per_token, m.kv_bytes_used, m.kv_bytes_reserved = (
             self.cache.bytes_per_token,
             self.cache.used_bytes,
@@ -429,3 +438,24 @@ def check_window(n_prompt: int, window: int, context: int, by_cache: bool) -> No
         f"prompt is {n_prompt:,} tokens but the {'KV cache' if by_cache else 'model'} holds "
         f"{window:,} positions, which leaves no room for a new token; {fix} to at most {window - 1:,} tokens."
     )
+
+
+def check_kv_dtype(kv_dtype: str | None, cache: KVCache | None) -> str:
+    """The KV dtype a request uses: ``kv_dtype``, else the given cache's, else ``"float32"``.
+
+    Raises:
+        InvalidRequestError: a dtype not in ``KV_DTYPES`` (naming the choices), or one that is not
+            the given cache's own.
+    """
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise InvalidRequestError(
+            f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r} (float16 halves the KV cache, "
+            "int8 stores a quarter plus a float32 scale per position and head)."
+        )
+    have = getattr(cache, "dtype", None) if cache is not None else None
+    if kv_dtype is not None and have is not None and kv_dtype != have:
+        raise InvalidRequestError(
+            f"kv_dtype={kv_dtype!r} but the cache passed holds {have}; pass kv_dtype={have!r} (or none), or a "
+            f"cache made with KVCache.for_model(config, dtype={kv_dtype!r})."
+        )
+    return kv_dtype or have or "float32"

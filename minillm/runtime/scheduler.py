@@ -38,6 +38,14 @@ class BatchRequest(Request):
     OPTIONS = Request.OPTIONS - {"cache"}
 
     def __init__(self, model: Model, prompt, params, *, pool: KVCachePool, index: int, **options):
+        if options.get("kv_dtype") not in (None, "float32"):
+            # the pool's blocks are float32 arrays shared by every sequence; a per-request dtype would
+            # need a pool per dtype (not built)
+            raise InvalidRequestError(
+                f"kv_dtype={options['kv_dtype']!r}: generate_batch's paged KV pool holds float32 entries only; "
+                "use kv_dtype='float32' (or none) here, or generate/stream, whose one-request KVCache holds "
+                "float32, float16 or int8."
+            )
         self.pool, self.index = pool, index
         super().__init__(model, prompt, params, **options)
         self.seq: PagedSequence = self.cache
