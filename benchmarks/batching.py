@@ -17,10 +17,23 @@ The limits, from the machine measured in the same run (``workers.measure_machine
              step >= 2 * parameters * B / GEMM FLOP/s
     ceiling tokens/s = B / max(memory bound, compute bound)
 
-It also times the matrix products alone for B rows, two ways: NumPy's plain ``x @ W.T`` and
-``primitives.few_rows_product`` (the weight as the left operand, fed in slices that stay in
-cache), which ``primitives.linear`` uses for 2 to 64 rows; and, with ``--torch``, transformers'
+It also times the matrix products alone for B rows in each formulation of
+``minillm/model/products.py`` (``plain`` ``x @ W.T``, ``left`` ``W @ x.T``, ``sliced``, ``sliced_gemv``)
+and the one ``products.few_rows_product`` picks for this BLAS kernel (``products.PLAN``: what
+``primitives.linear`` uses for 2 to 64 rows in a batched pass); with ``--torch``, transformers'
 batched ``generate`` on the same prompts, left-padded, greedy.
+
+Prefill against the GEMM ceiling (``--prefill-tokens``, 512): one ``prefill`` over 512 tokens,
+median of 3, and its FLOPs: ``2 x layer parameters x 512`` for the projections, ``4 x n_heads x
+head_dim x 512 x 513 / 2 x layers`` for attention (the causal half: the scores and values a
+token can see), ``2 x d_model x vocab`` for the LM head on the last row. The ceiling is the
+machine's GEMM rate in the same run, two ways: a square ``[2048, 2048] @ [2048, 2048]`` (the
+rate BLAS reaches on large products) and the prefill's own products alone (one layer's four
+projections at 512 rows: the best these shapes get); the % is taken against the higher of the two.
+
+Every figure is printed with the BLAS kernel and thread count (threadpoolctl) and the share of the
+cores other processes used meanwhile (``observe.metrics.others_cpu_share``): on a shared machine a
+figure measured beside a busy neighbour is a figure about the neighbour.
 
 Results go to ``benchmarks/results/local/batching.json`` (untracked) unless ``--json`` says otherwise.
 """
@@ -44,6 +57,7 @@ DEFAULT_JSON = Path(__file__).parent / "results" / "local" / "batching.json"
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # The targets of issue 16 (aggregate decode tokens/s against batch 1).
 TARGETS = {8: 3.0, 32: 8.0}
+PREFILL_OF_GEMM = 0.75  # prefill-512 FLOP/s >= 75 % of the GEMM ceiling
 
 
 # --- pure arithmetic (tested exactly in tests/test_batching.py) ------------------------------------
@@ -89,14 +103,17 @@ def decode_steps(model, batch: int, prompt_tokens: int, steps: int, seed: int = 
 
 
 def products_alone(model, batch: int, repeats: int) -> dict:
-    """Seconds for one pass of every matrix product of a decode step with ``batch`` rows: plain
-    ``x @ W.T`` and ``few_rows_product`` (best of ``repeats``, alternated)."""
-    from minillm.model import primitives
+    """Seconds for one pass of every matrix product of a decode step with ``batch`` rows, in each
+    formulation of ``products.FORMULATIONS`` and as ``few_rows_product`` picks (best of
+    ``repeats``, the ways alternated within each repeat)."""
+    from minillm.model import products
 
     rng = np.random.default_rng(0)
     mats = matrices(model)
     xs = {m.shape[1]: rng.standard_normal((batch, m.shape[1]), dtype=np.float32) for m in mats}
-    ways = {"plain": lambda x, w: x @ w.T, "few_rows": primitives.few_rows_product}
+    ways = {**products.FORMULATIONS, "chosen": products.few_rows_product}
+    if batch > 4:  # one matrix-vector product per row and slice: only competitive for 2 rows
+        ways.pop("sliced_gemv")
     best = {name: float("inf") for name in ways}
     for _ in range(repeats):
         for name, product in ways.items():
@@ -105,6 +122,52 @@ def products_alone(model, batch: int, repeats: int) -> dict:
                 product(xs[w.shape[1]], w)
             best[name] = min(best[name], time.perf_counter() - t0)
     return best
+
+
+def prefill_flops(config, tokens: int, layer_parameters: int) -> dict:
+    """FLOPs of one prefill over ``tokens`` tokens (logits of the last row only), by part."""
+    attention = 4 * config.num_attention_heads * config.head_dim * tokens * (tokens + 1) / 2
+    return {
+        "projections": 2 * layer_parameters * tokens * config.num_hidden_layers,
+        "attention": attention * config.num_hidden_layers,  # q.k and p.v over the causal half
+        "lm_head": 2 * config.hidden_size * config.vocab_size,
+    }
+
+
+def prefill_vs_gemm(model, tokens: int, repeats: int, square_gflop_s: float) -> dict:
+    """Prefill over ``tokens`` tokens against the GEMM ceiling measured now (module docstring)."""
+    from minillm.model.kv_cache import KVCache
+
+    T, cfg = model.transformer, model.config
+    ids = workers.prompt_ids(tokens, cfg.vocab_size, 0)
+
+    def prefill() -> float:
+        cache = KVCache.for_model(cfg, max_seq_len=tokens)
+        t0 = time.perf_counter()
+        T.forward(ids, cache, last_only=True)
+        return time.perf_counter() - t0
+
+    layer = list(T.weights.layers[0].projections())
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((tokens, w.shape[1]), dtype=np.float32) for w in layer]
+
+    def own_products() -> float:
+        t0 = time.perf_counter()
+        for x, w in zip(xs, layer, strict=True):
+            x @ w.T
+        return time.perf_counter() - t0
+
+    prefill()
+    seconds = statistics.median(prefill() for _ in range(repeats))
+    own_s = min(own_products() for _ in range(2 * repeats))
+    layer_parameters = sum(w.size for w in layer)
+    flops = prefill_flops(cfg, tokens, layer_parameters)
+    achieved = sum(flops.values()) / seconds / 1e9
+    own_gflop_s = 2 * layer_parameters * tokens / own_s / 1e9
+    ceiling = max(own_gflop_s, square_gflop_s)
+    return {"tokens": tokens, "seconds": seconds, "flops": flops, "achieved_gflop_s": achieved,
+            "own_products_gflop_s": own_gflop_s, "square_gemm_gflop_s": square_gflop_s,
+            "ceiling_gflop_s": ceiling, "of_ceiling": achieved / ceiling}
 
 
 def torch_batched_decode(model, batch: int, prompt_tokens: int, new_tokens: int, threads: int = 1) -> float:
@@ -159,7 +222,14 @@ def minillm_batched_decode(model, batch: int, prompt_tokens: int, new_tokens: in
 def run(args) -> dict:
     import minillm
 
+    from minillm.model import products
+    from minillm.observe.metrics import cpu_snapshot, others_cpu_share
+
     keep = workers.limit_threads(args.threads)
+    blas = [f"{b.get('internal_api')} {b.get('version')} kernel {b.get('architecture')}, {b.get('num_threads')} threads"
+            for b in workers.blas_info()]
+    print(f"  BLAS: {'; '.join(blas)}; few-rows plan: {products.PLAN.get(products.blas_kernel(), 'plain')}",
+          flush=True)
     machine = workers.measure_machine(
         {"threads": args.threads, "machine_repeats": 3, "bandwidth_bytes": args.bandwidth_mib * 2**20,
          "gemm_n": 1024 if args.quick else 2048}
@@ -170,28 +240,44 @@ def run(args) -> dict:
     kv = model.config.kv_bytes_per_token()
     rows = []
     for batch in args.batches:
+        before = cpu_snapshot()
         times = decode_steps(model, batch, args.prompt_tokens, args.steps)
         step_s = statistics.median(times[1:] if len(times) > 2 else times)
         context = args.prompt_tokens + args.steps / 2
         bounds = step_bounds(batch, weight_bytes, parameters, kv, context, machine["bandwidth_gb_s"] * 1e9,
                              machine["gemm_gflop_s"] * 1e9)
-        products = products_alone(model, batch, repeats=2 if args.quick else 4)
+        ways = products_alone(model, batch, repeats=2 if args.quick else 4)
         row = {"batch": batch, "step_s": step_s, "tokens_s": batch / step_s, **bounds,
                "of_ceiling": batch / step_s / bounds["ceiling_tokens_s"],
-               "products_plain_s": products["plain"], "products_few_rows_s": products["few_rows"]}
+               "products_s": ways, "formulation": products.formulation(batch) if batch > 1 else "plain",
+               "others_cores": others_cpu_share(before, cpu_snapshot()) * (os.cpu_count() or 1)}
         rows.append(row)
+        alone = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in ways.items())
         print(f"  batch {batch:>3}: step {step_s * 1e3:7.1f} ms  {row['tokens_s']:7.1f} tok/s  "
-              f"ceiling {bounds['ceiling_tokens_s']:7.1f} ({row['of_ceiling']:.0%})  products alone: plain "
-              f"{products['plain'] * 1e3:6.1f} ms, few-rows {products['few_rows'] * 1e3:6.1f} ms", flush=True)
+              f"ceiling {bounds['ceiling_tokens_s']:7.1f} ({row['of_ceiling']:.0%})  products alone (ms): {alone}  "
+              f"[others kept {row['others_cores']:.2f} cores busy]", flush=True)
     base = rows[0]["tokens_s"] if rows and rows[0]["batch"] == 1 else None
     ratios = {r["batch"]: r["tokens_s"] / base for r in rows} if base else {}
+    limits = {r["batch"]: r["ceiling_tokens_s"] / rows[0]["ceiling_tokens_s"] for r in rows} if base else {}
+    if ratios:
+        print("  aggregate tokens/s against batch 1: "
+              + ", ".join(f"{b}: {v:.2f}x (limits allow {limits[b]:.1f}x)" for b, v in ratios.items()))
     targets = [{"name": f"batch {b} / batch 1", "value": ratios.get(b), "target": t,
                 "passed": None if b not in ratios else ratios[b] >= t} for b, t in TARGETS.items()]
     report = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": sys.argv,
               "settings": vars(args) | {"json": str(args.json)}, "load_average": os.getloadavg(),
               "openblas_env": {k: os.environ.get(k) for k in workers.OPENBLAS_VARS}, "blas": workers.blas_info(),
               "machine": machine, "weight_bytes": weight_bytes, "parameters": parameters, "rows": rows,
-              "ratios": ratios, "targets": targets}
+              "ratios": ratios, "limit_ratios": limits, "targets": targets}
+    before = cpu_snapshot()
+    pre = prefill_vs_gemm(model, args.prefill_tokens, 2 if args.quick else 3, machine["gemm_gflop_s"])
+    pre["others_cores"] = others_cpu_share(before, cpu_snapshot()) * (os.cpu_count() or 1)
+    report["prefill"] = pre
+    print(f"  prefill-{pre['tokens']}: {pre['seconds'] * 1e3:.0f} ms, {pre['achieved_gflop_s']:.1f} GFLOP/s; GEMM "
+          f"ceiling: square {pre['square_gemm_gflop_s']:.1f}, its own products {pre['own_products_gflop_s']:.1f} "
+          f"GFLOP/s -> {pre['of_ceiling']:.0%} of the higher [others kept {pre['others_cores']:.2f} cores busy]")
+    report["targets"].append({"name": f"prefill-{pre['tokens']} / GEMM ceiling", "value": pre["of_ceiling"],
+                              "target": PREFILL_OF_GEMM, "passed": pre["of_ceiling"] >= PREFILL_OF_GEMM})
     if args.torch:
         batch = 8
         report["torch"] = {
@@ -222,6 +308,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="BLAS threads (1: the machine is shared)")
     p.add_argument("--bandwidth-mib", type=int, default=512)
+    p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--torch", action="store_true", help="also transformers' batched generate at batch 8")
     p.add_argument("--torch-new-tokens", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="smoke run: batches 1,2; 3 steps; small measurements")
@@ -229,6 +316,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.steps, args.prompt_tokens, args.bandwidth_mib = [1, 2], 3, 16, 64
+        args.prefill_tokens = 160
     return args
 
 
