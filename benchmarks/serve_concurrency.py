@@ -90,7 +90,8 @@ def main(argv=None) -> dict:
     finally:
         server.terminate()
         server.wait(timeout=30)
-    ratios = [b["output_tokens_per_s"] / a["output_tokens_per_s"] for a, b in zip(levels[::2], levels[1::2])]
+    pairs = zip(levels[::2], levels[1::2], strict=True)  # (concurrency 1, concurrency 8) per round
+    ratios = [b["output_tokens_per_s"] / a["output_tokens_per_s"] for a, b in pairs]
     ratio = statistics.median(ratios)
     print(f"  output tokens/s, concurrency 8 / 1: {', '.join(f'{x:.2f}' for x in ratios)} -> median {ratio:.2f} "
           f"(target >= {TARGET}): {'pass' if ratio >= TARGET else 'FAIL'}")
