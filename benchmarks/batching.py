@@ -249,7 +249,7 @@ def run(args) -> dict:
         ways = products_alone(model, batch, repeats=2 if args.quick else 4)
         row = {"batch": batch, "step_s": step_s, "tokens_s": batch / step_s, **bounds,
                "of_ceiling": batch / step_s / bounds["ceiling_tokens_s"],
-               "products_s": ways, "formulation": products.formulation(batch) if batch > 1 else "plain",
+               "products_s": ways, "formulation": products.formulation(batch),
                "others_cores": others_cpu_share(before, cpu_snapshot()) * (os.cpu_count() or 1)}
         rows.append(row)
         alone = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in ways.items())

@@ -111,7 +111,9 @@ def blas_kernel() -> str:
 
 def formulation(rows: int, kernel: str | None = None) -> str:
     """The formulation :func:`few_rows_product` uses for ``rows`` rows under ``kernel`` (default:
-    this process's, :func:`blas_kernel`)."""
+    this process's, :func:`blas_kernel`). One row is always ``plain``: a matrix-vector product."""
+    if rows < 2:
+        return "plain"
     for up_to, name in PLAN.get(blas_kernel() if kernel is None else kernel, ()):
         if rows <= up_to:
             return name
