@@ -7,7 +7,8 @@
 For SmolLM2-135M-Instruct (float32) and each batch size B in 1, 2, 4, ..., 64 it prefills B
 sequences of ``--prompt-tokens`` tokens into one paged pool, then times ``--steps`` decode steps of
 ``Transformer.forward_batch`` (B rows, one per sequence, each attending over its own blocks) plus
-the argmax of each row. Aggregate decode tokens/s = B / step seconds (median step).
+the argmax of each row, the batch sizes interleaved step by step (the ratios against batch 1 then
+compare the same minutes). Aggregate decode tokens/s = B / step seconds (median step).
 
 The limits, from the machine measured in the same run (``workers.measure_machine``)::
 
@@ -23,13 +24,15 @@ and the one ``products.few_rows_product`` picks for this BLAS kernel (``products
 ``primitives.linear`` uses for 2 to 64 rows in a batched pass); with ``--torch``, transformers'
 batched ``generate`` on the same prompts, left-padded, greedy.
 
-Prefill against the GEMM ceiling (``--prefill-tokens``, 512): one ``prefill`` over 512 tokens,
-median of 3, and its FLOPs: ``2 x layer parameters x 512`` for the projections, ``4 x n_heads x
+Prefill against the GEMM ceiling (``--prefill-tokens``, 512): one ``prefill`` over 512 tokens and
+its FLOPs: ``2 x layer parameters x 512`` for the projections, ``4 x n_heads x
 head_dim x 512 x 513 / 2 x layers`` for attention (the causal half: the scores and values a
 token can see), ``2 x d_model x vocab`` for the LM head on the last row. The ceiling is the
 machine's GEMM rate in the same run, two ways: a square ``[2048, 2048] @ [2048, 2048]`` (the
 rate BLAS reaches on large products) and the prefill's own products alone (one layer's four
 projections at 512 rows: the best these shapes get); the % is taken against the higher of the two.
+The prefill and both ceilings are timed in alternation, best of 3 each (the square GEMM also
+counts its best from the machine measurement at the start).
 
 Every figure is printed with the BLAS kernel and thread count (threadpoolctl) and the share of the
 cores other processes used meanwhile (``observe.metrics.others_cpu_share``): on a shared machine a
@@ -76,29 +79,36 @@ def matrices(model) -> list[np.ndarray]:
 
 
 # --- measurements ----------------------------------------------------------------------------------
-def decode_steps(model, batch: int, prompt_tokens: int, steps: int, seed: int = 0) -> list[float]:
-    """Seconds of each of ``steps`` batched decode steps over ``batch`` sequences (argmax included)."""
+def decode_curve(model, batches: list[int], prompt_tokens: int, steps: int, seed: int = 0) -> dict[int, list[float]]:
+    """Seconds of each of ``steps`` batched decode steps (argmax included) for every batch size, the
+    sizes interleaved: round ``k`` runs step ``k`` of every batch size in turn, so batch 1 and
+    batch 32 meet the same minutes of a shared machine (a neighbour that starts mid-run slows
+    both, instead of the sizes measured after it)."""
     from minillm.model.paged_kv_cache import KVCachePool
 
     T = model.transformer
     vocab = model.config.vocab_size
     positions = prompt_tokens + steps + 1
-    mib = batch * -(-positions // 16) * 16 * model.config.kv_bytes_per_token() / 2**20
-    pool = KVCachePool.for_model(model.config, mib)
-    seqs = [pool.sequence(positions) for _ in range(batch)]
-    tokens = []
-    for j, seq in enumerate(seqs):  # prefill each sequence (not timed)
-        pool.grow(seq, prompt_tokens)
-        logits = T.forward(workers.prompt_ids(prompt_tokens, vocab, seed + j), seq, last_only=True)
-        tokens.append(int(np.argmax(logits[0])))
-    times = []
+    runs = {}
+    for batch in batches:  # prefill every batch's sequences first (not timed)
+        mib = batch * -(-positions // 16) * 16 * model.config.kv_bytes_per_token() / 2**20
+        pool = KVCachePool.for_model(model.config, mib)
+        seqs = [pool.sequence(positions) for _ in range(batch)]
+        tokens = []
+        for j, seq in enumerate(seqs):
+            pool.grow(seq, prompt_tokens)
+            logits = T.forward(workers.prompt_ids(prompt_tokens, vocab, seed + j), seq, last_only=True)
+            tokens.append(int(np.argmax(logits[0])))
+        runs[batch] = (pool, seqs, tokens)
+    times = {batch: [] for batch in batches}
     for _ in range(steps):
-        for seq in seqs:
-            pool.grow(seq, 1)
-        t0 = time.perf_counter()
-        logits = T.forward_batch([(np.array([t]), seq) for t, seq in zip(tokens, seqs, strict=True)])
-        tokens = [int(i) for i in np.argmax(logits, axis=-1)]
-        times.append(time.perf_counter() - t0)
+        for batch, (pool, seqs, tokens) in runs.items():
+            for seq in seqs:
+                pool.grow(seq, 1)
+            t0 = time.perf_counter()
+            logits = T.forward_batch([(np.array([t]), seq) for t, seq in zip(tokens, seqs, strict=True)])
+            tokens[:] = [int(i) for i in np.argmax(logits, axis=-1)]
+            times[batch].append(time.perf_counter() - t0)
     return times
 
 
@@ -157,9 +167,23 @@ def prefill_vs_gemm(model, tokens: int, repeats: int, square_gflop_s: float) -> 
             x @ w.T
         return time.perf_counter() - t0
 
+    n = 2048
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    c = np.empty((n, n), dtype=np.float32)
+
+    def square() -> float:
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=c)
+        return time.perf_counter() - t0
+
     prefill()
-    seconds = statistics.median(prefill() for _ in range(repeats))
-    own_s = min(own_products() for _ in range(2 * repeats))
+    runs = {"prefill": [], "own": [], "square": []}
+    for _ in range(repeats):  # alternated, so all three meet the same minutes; best of each
+        runs["prefill"].append(prefill())
+        runs["own"].append(own_products())
+        runs["square"].append(square())
+    seconds, own_s = min(runs["prefill"]), min(runs["own"])
+    square_gflop_s = max(square_gflop_s, 2 * n**3 / min(runs["square"]) / 1e9)  # and the machine's at start
     layer_parameters = sum(w.size for w in layer)
     flops = prefill_flops(cfg, tokens, layer_parameters)
     achieved = sum(flops.values()) / seconds / 1e9
@@ -239,9 +263,13 @@ def run(args) -> dict:
     weight_bytes, parameters = sum(m.nbytes for m in mats), sum(m.size for m in mats)
     kv = model.config.kv_bytes_per_token()
     rows = []
+    before = cpu_snapshot()
+    curve = decode_curve(model, args.batches, args.prompt_tokens, args.steps)
+    others_decode = others_cpu_share(before, cpu_snapshot()) * (os.cpu_count() or 1)
+    print(f"  decode steps of every batch size, interleaved: others kept {others_decode:.2f} cores busy", flush=True)
     for batch in args.batches:
         before = cpu_snapshot()
-        times = decode_steps(model, batch, args.prompt_tokens, args.steps)
+        times = curve[batch]
         step_s = statistics.median(times[1:] if len(times) > 2 else times)
         context = args.prompt_tokens + args.steps / 2
         bounds = step_bounds(batch, weight_bytes, parameters, kv, context, machine["bandwidth_gb_s"] * 1e9,
@@ -250,12 +278,13 @@ def run(args) -> dict:
         row = {"batch": batch, "step_s": step_s, "tokens_s": batch / step_s, **bounds,
                "of_ceiling": batch / step_s / bounds["ceiling_tokens_s"],
                "products_s": ways, "formulation": products.formulation(batch),
-               "others_cores": others_cpu_share(before, cpu_snapshot()) * (os.cpu_count() or 1)}
+               "others_cores_decode": others_decode,
+               "others_cores_products": others_cpu_share(before, cpu_snapshot()) * (os.cpu_count() or 1)}
         rows.append(row)
         alone = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in ways.items())
         print(f"  batch {batch:>3}: step {step_s * 1e3:7.1f} ms  {row['tokens_s']:7.1f} tok/s  "
               f"ceiling {bounds['ceiling_tokens_s']:7.1f} ({row['of_ceiling']:.0%})  products alone (ms): {alone}  "
-              f"[others kept {row['others_cores']:.2f} cores busy]", flush=True)
+              f"[others kept {row['others_cores_products']:.2f} cores busy]", flush=True)
     base = rows[0]["tokens_s"] if rows and rows[0]["batch"] == 1 else None
     ratios = {r["batch"]: r["tokens_s"] / base for r in rows} if base else {}
     limits = {r["batch"]: r["ceiling_tokens_s"] / rows[0]["ceiling_tokens_s"] for r in rows} if base else {}
