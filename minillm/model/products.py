@@ -12,8 +12,9 @@ lesson 11 measure it again). Four formulations, each giving ``[rows, out]``:
                                                    while every row passes over it
     sliced_gemv  w[s] @ x[r] per slice s, row r    matrix-vector products on a cached slice
 
-Measured here (AMD EPYC, AVX-512, OpenBLAS 0.3.31, one thread; all products of a SmolLM2 decode
-step, ms; one row: ~17-20 ms either kernel)::
+Measured here (AMD EPYC, AVX-512, OpenBLAS 0.3.31, one thread, a shared machine at load ~3; all
+products of a SmolLM2 decode step, best of 4, ms; one row: ~17-20 ms either kernel; sliced_gemv
+with 512 KiB slices, the default 256 KiB measured 27-30 ms at 2 rows in ``benchmarks/batching.py``)::
 
     kernel    rows:   2      4      8     16     32     64
     SkylakeX  plain   76     77     83     99    119    148

@@ -238,7 +238,9 @@ class Transformer:
             gate_up = layer.project("gate_up", h)  # [seq, 2 * ffn]: gate | up
             ffn = self.config.intermediate_size
             gate, up = gate_up[:, :ffn], gate_up[:, ffn:]  # each [seq, ffn], views
-            return layer.project("down", self.act(gate) * up)
+            act = self.act(gate)  # a fresh array: multiplied by up in place
+            act *= up
+            return layer.project("down", act)
         return layer.project("down", self.act(layer.project("up", h)))
 
 
