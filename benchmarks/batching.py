@@ -7,7 +7,8 @@
 For SmolLM2-135M-Instruct (float32) and each batch size B in 1, 2, 4, ..., 64 it prefills B
 sequences of ``--prompt-tokens`` tokens into one paged pool, then times ``--steps`` decode steps of
 ``Transformer.forward_batch`` (B rows, one per sequence, each attending over its own blocks) plus
-the argmax of each row. Aggregate decode tokens/s = B / step seconds (median step).
+the argmax of each row, the batch sizes interleaved step by step (the ratios against batch 1 then
+compare the same minutes). Aggregate decode tokens/s = B / step seconds (median step).
 
 The limits, from the machine measured in the same run (``workers.measure_machine``)::
 
@@ -17,10 +18,25 @@ The limits, from the machine measured in the same run (``workers.measure_machine
              step >= 2 * parameters * B / GEMM FLOP/s
     ceiling tokens/s = B / max(memory bound, compute bound)
 
-It also times the matrix products alone for B rows, two ways: NumPy's plain ``x @ W.T`` and
-``primitives.few_rows_product`` (the weight as the left operand, fed in slices that stay in
-cache), which ``primitives.linear`` uses for 2 to 64 rows; and, with ``--torch``, transformers'
+It also times the matrix products alone for B rows in each formulation of
+``minillm/model/products.py`` (``plain`` ``x @ W.T``, ``left`` ``W @ x.T``, ``sliced``, ``sliced_gemv``)
+and the one ``products.few_rows_product`` picks for this BLAS kernel (``products.PLAN``: what
+``primitives.linear`` uses for 2 to 64 rows in a batched pass); with ``--torch``, transformers'
 batched ``generate`` on the same prompts, left-padded, greedy.
+
+Prefill against the GEMM ceiling (``--prefill-tokens``, 512): one ``prefill`` over 512 tokens and
+its FLOPs: ``2 x layer parameters x 512`` for the projections, ``4 x n_heads x
+head_dim x 512 x 513 / 2 x layers`` for attention (the causal half: the scores and values a
+token can see), ``2 x d_model x vocab`` for the LM head on the last row. The ceiling is the
+machine's GEMM rate in the same run, two ways: a square ``[2048, 2048] @ [2048, 2048]`` (the
+rate BLAS reaches on large products) and the prefill's own products alone (one layer's four
+projections at 512 rows: the best these shapes get); the % is taken against the higher of the two.
+The prefill and both ceilings are timed in alternation, best of 3 each (the square GEMM also
+counts its best from the machine measurement at the start).
+
+Every figure is printed with the BLAS kernel and thread count (threadpoolctl) and the share of the
+cores other processes used meanwhile (``observe.metrics.others_cpu_share``): on a shared machine a
+figure measured beside a busy neighbour is a figure about the neighbour.
 
 Results go to ``benchmarks/results/local/batching.json`` (untracked) unless ``--json`` says otherwise.
 """
@@ -44,6 +60,7 @@ DEFAULT_JSON = Path(__file__).parent / "results" / "local" / "batching.json"
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # The targets of issue 16 (aggregate decode tokens/s against batch 1).
 TARGETS = {8: 3.0, 32: 8.0}
+PREFILL_OF_GEMM = 0.75  # prefill-512 FLOP/s >= 75 % of the GEMM ceiling
 
 
 # --- pure arithmetic (tested exactly in tests/test_batching.py) ------------------------------------
@@ -62,41 +79,51 @@ def matrices(model) -> list[np.ndarray]:
 
 
 # --- measurements ----------------------------------------------------------------------------------
-def decode_steps(model, batch: int, prompt_tokens: int, steps: int, seed: int = 0) -> list[float]:
-    """Seconds of each of ``steps`` batched decode steps over ``batch`` sequences (argmax included)."""
+def decode_curve(model, batches: list[int], prompt_tokens: int, steps: int, seed: int = 0) -> dict[int, list[float]]:
+    """Seconds of each of ``steps`` batched decode steps (argmax included) for every batch size, the
+    sizes interleaved: round ``k`` runs step ``k`` of every batch size in turn, so batch 1 and
+    batch 32 meet the same minutes of a shared machine (a neighbour that starts mid-run slows
+    both, instead of the sizes measured after it)."""
     from minillm.model.paged_kv_cache import KVCachePool
 
     T = model.transformer
     vocab = model.config.vocab_size
     positions = prompt_tokens + steps + 1
-    mib = batch * -(-positions // 16) * 16 * model.config.kv_bytes_per_token() / 2**20
-    pool = KVCachePool.for_model(model.config, mib)
-    seqs = [pool.sequence(positions) for _ in range(batch)]
-    tokens = []
-    for j, seq in enumerate(seqs):  # prefill each sequence (not timed)
-        pool.grow(seq, prompt_tokens)
-        logits = T.forward(workers.prompt_ids(prompt_tokens, vocab, seed + j), seq, last_only=True)
-        tokens.append(int(np.argmax(logits[0])))
-    times = []
+    runs = {}
+    for batch in batches:  # prefill every batch's sequences first (not timed)
+        mib = batch * -(-positions // 16) * 16 * model.config.kv_bytes_per_token() / 2**20
+        pool = KVCachePool.for_model(model.config, mib)
+        seqs = [pool.sequence(positions) for _ in range(batch)]
+        tokens = []
+        for j, seq in enumerate(seqs):
+            pool.grow(seq, prompt_tokens)
+            logits = T.forward(workers.prompt_ids(prompt_tokens, vocab, seed + j), seq, last_only=True)
+            tokens.append(int(np.argmax(logits[0])))
+        runs[batch] = (pool, seqs, tokens)
+    times = {batch: [] for batch in batches}
     for _ in range(steps):
-        for seq in seqs:
-            pool.grow(seq, 1)
-        t0 = time.perf_counter()
-        logits = T.forward_batch([(np.array([t]), seq) for t, seq in zip(tokens, seqs, strict=True)])
-        tokens = [int(i) for i in np.argmax(logits, axis=-1)]
-        times.append(time.perf_counter() - t0)
+        for batch, (pool, seqs, tokens) in runs.items():
+            for seq in seqs:
+                pool.grow(seq, 1)
+            t0 = time.perf_counter()
+            logits = T.forward_batch([(np.array([t]), seq) for t, seq in zip(tokens, seqs, strict=True)])
+            tokens[:] = [int(i) for i in np.argmax(logits, axis=-1)]
+            times[batch].append(time.perf_counter() - t0)
     return times
 
 
 def products_alone(model, batch: int, repeats: int) -> dict:
-    """Seconds for one pass of every matrix product of a decode step with ``batch`` rows: plain
-    ``x @ W.T`` and ``few_rows_product`` (best of ``repeats``, alternated)."""
-    from minillm.model import primitives
+    """Seconds for one pass of every matrix product of a decode step with ``batch`` rows, in each
+    formulation of ``products.FORMULATIONS`` and as ``few_rows_product`` picks (best of
+    ``repeats``, the ways alternated within each repeat)."""
+    from minillm.model import products
 
     rng = np.random.default_rng(0)
     mats = matrices(model)
     xs = {m.shape[1]: rng.standard_normal((batch, m.shape[1]), dtype=np.float32) for m in mats}
-    ways = {"plain": lambda x, w: x @ w.T, "few_rows": primitives.few_rows_product}
+    ways = {**products.FORMULATIONS, "chosen": products.few_rows_product}
+    if batch > 4:  # one matrix-vector product per row and slice: only competitive for 2 rows
+        ways.pop("sliced_gemv")
     best = {name: float("inf") for name in ways}
     for _ in range(repeats):
         for name, product in ways.items():
@@ -105,6 +132,66 @@ def products_alone(model, batch: int, repeats: int) -> dict:
                 product(xs[w.shape[1]], w)
             best[name] = min(best[name], time.perf_counter() - t0)
     return best
+
+
+def prefill_flops(config, tokens: int, layer_parameters: int) -> dict:
+    """FLOPs of one prefill over ``tokens`` tokens (logits of the last row only), by part."""
+    attention = 4 * config.num_attention_heads * config.head_dim * tokens * (tokens + 1) / 2
+    return {
+        "projections": 2 * layer_parameters * tokens * config.num_hidden_layers,
+        "attention": attention * config.num_hidden_layers,  # q.k and p.v over the causal half
+        "lm_head": 2 * config.hidden_size * config.vocab_size,
+    }
+
+
+def prefill_vs_gemm(model, tokens: int, repeats: int, square_gflop_s: float) -> dict:
+    """Prefill over ``tokens`` tokens against the GEMM ceiling measured now (module docstring)."""
+    from minillm.model.kv_cache import KVCache
+
+    T, cfg = model.transformer, model.config
+    ids = workers.prompt_ids(tokens, cfg.vocab_size, 0)
+
+    def prefill() -> float:
+        cache = KVCache.for_model(cfg, max_seq_len=tokens)
+        t0 = time.perf_counter()
+        T.forward(ids, cache, last_only=True)
+        return time.perf_counter() - t0
+
+    layer = list(T.weights.layers[0].projections())
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((tokens, w.shape[1]), dtype=np.float32) for w in layer]
+
+    def own_products() -> float:
+        t0 = time.perf_counter()
+        for x, w in zip(xs, layer, strict=True):
+            x @ w.T
+        return time.perf_counter() - t0
+
+    n = 2048
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    c = np.empty((n, n), dtype=np.float32)
+
+    def square() -> float:
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=c)
+        return time.perf_counter() - t0
+
+    prefill()
+    runs = {"prefill": [], "own": [], "square": []}
+    for _ in range(repeats):  # alternated, so all three meet the same minutes; best of each
+        runs["prefill"].append(prefill())
+        runs["own"].append(own_products())
+        runs["square"].append(square())
+    seconds, own_s = min(runs["prefill"]), min(runs["own"])
+    square_gflop_s = max(square_gflop_s, 2 * n**3 / min(runs["square"]) / 1e9)  # and the machine's at start
+    layer_parameters = sum(w.size for w in layer)
+    flops = prefill_flops(cfg, tokens, layer_parameters)
+    achieved = sum(flops.values()) / seconds / 1e9
+    own_gflop_s = 2 * layer_parameters * tokens / own_s / 1e9
+    ceiling = max(own_gflop_s, square_gflop_s)
+    return {"tokens": tokens, "seconds": seconds, "flops": flops, "achieved_gflop_s": achieved,
+            "own_products_gflop_s": own_gflop_s, "square_gemm_gflop_s": square_gflop_s,
+            "ceiling_gflop_s": ceiling, "of_ceiling": achieved / ceiling}
 
 
 def torch_batched_decode(model, batch: int, prompt_tokens: int, new_tokens: int, threads: int = 1) -> float:
@@ -159,7 +246,14 @@ def minillm_batched_decode(model, batch: int, prompt_tokens: int, new_tokens: in
 def run(args) -> dict:
     import minillm
 
+    from minillm.model import products
+    from minillm.observe.metrics import cpu_snapshot, others_cpu_share
+
     keep = workers.limit_threads(args.threads)
+    blas = [f"{b.get('internal_api')} {b.get('version')} kernel {b.get('architecture')}, {b.get('num_threads')} threads"
+            for b in workers.blas_info()]
+    print(f"  BLAS: {'; '.join(blas)}; few-rows plan: {products.PLAN.get(products.blas_kernel(), 'plain')}",
+          flush=True)
     machine = workers.measure_machine(
         {"threads": args.threads, "machine_repeats": 3, "bandwidth_bytes": args.bandwidth_mib * 2**20,
          "gemm_n": 1024 if args.quick else 2048}
@@ -169,29 +263,50 @@ def run(args) -> dict:
     weight_bytes, parameters = sum(m.nbytes for m in mats), sum(m.size for m in mats)
     kv = model.config.kv_bytes_per_token()
     rows = []
+    before = cpu_snapshot()
+    curve = decode_curve(model, args.batches, args.prompt_tokens, args.steps)
+    others_decode = others_cpu_share(before, cpu_snapshot()) * (os.cpu_count() or 1)
+    print(f"  decode steps of every batch size, interleaved: others kept {others_decode:.2f} cores busy", flush=True)
     for batch in args.batches:
-        times = decode_steps(model, batch, args.prompt_tokens, args.steps)
+        before = cpu_snapshot()
+        times = curve[batch]
         step_s = statistics.median(times[1:] if len(times) > 2 else times)
         context = args.prompt_tokens + args.steps / 2
         bounds = step_bounds(batch, weight_bytes, parameters, kv, context, machine["bandwidth_gb_s"] * 1e9,
                              machine["gemm_gflop_s"] * 1e9)
-        products = products_alone(model, batch, repeats=2 if args.quick else 4)
+        ways = products_alone(model, batch, repeats=2 if args.quick else 4)
         row = {"batch": batch, "step_s": step_s, "tokens_s": batch / step_s, **bounds,
                "of_ceiling": batch / step_s / bounds["ceiling_tokens_s"],
-               "products_plain_s": products["plain"], "products_few_rows_s": products["few_rows"]}
+               "products_s": ways, "formulation": products.formulation(batch),
+               "others_cores_decode": others_decode,
+               "others_cores_products": others_cpu_share(before, cpu_snapshot()) * (os.cpu_count() or 1)}
         rows.append(row)
+        alone = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in ways.items())
         print(f"  batch {batch:>3}: step {step_s * 1e3:7.1f} ms  {row['tokens_s']:7.1f} tok/s  "
-              f"ceiling {bounds['ceiling_tokens_s']:7.1f} ({row['of_ceiling']:.0%})  products alone: plain "
-              f"{products['plain'] * 1e3:6.1f} ms, few-rows {products['few_rows'] * 1e3:6.1f} ms", flush=True)
+              f"ceiling {bounds['ceiling_tokens_s']:7.1f} ({row['of_ceiling']:.0%})  products alone (ms): {alone}  "
+              f"[others kept {row['others_cores_products']:.2f} cores busy]", flush=True)
     base = rows[0]["tokens_s"] if rows and rows[0]["batch"] == 1 else None
     ratios = {r["batch"]: r["tokens_s"] / base for r in rows} if base else {}
+    limits = {r["batch"]: r["ceiling_tokens_s"] / rows[0]["ceiling_tokens_s"] for r in rows} if base else {}
+    if ratios:
+        print("  aggregate tokens/s against batch 1: "
+              + ", ".join(f"{b}: {v:.2f}x (limits allow {limits[b]:.1f}x)" for b, v in ratios.items()))
     targets = [{"name": f"batch {b} / batch 1", "value": ratios.get(b), "target": t,
                 "passed": None if b not in ratios else ratios[b] >= t} for b, t in TARGETS.items()]
     report = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": sys.argv,
               "settings": vars(args) | {"json": str(args.json)}, "load_average": os.getloadavg(),
               "openblas_env": {k: os.environ.get(k) for k in workers.OPENBLAS_VARS}, "blas": workers.blas_info(),
               "machine": machine, "weight_bytes": weight_bytes, "parameters": parameters, "rows": rows,
-              "ratios": ratios, "targets": targets}
+              "ratios": ratios, "limit_ratios": limits, "targets": targets}
+    before = cpu_snapshot()
+    pre = prefill_vs_gemm(model, args.prefill_tokens, 2 if args.quick else 3, machine["gemm_gflop_s"])
+    pre["others_cores"] = others_cpu_share(before, cpu_snapshot()) * (os.cpu_count() or 1)
+    report["prefill"] = pre
+    print(f"  prefill-{pre['tokens']}: {pre['seconds'] * 1e3:.0f} ms, {pre['achieved_gflop_s']:.1f} GFLOP/s; GEMM "
+          f"ceiling: square {pre['square_gemm_gflop_s']:.1f}, its own products {pre['own_products_gflop_s']:.1f} "
+          f"GFLOP/s -> {pre['of_ceiling']:.0%} of the higher [others kept {pre['others_cores']:.2f} cores busy]")
+    report["targets"].append({"name": f"prefill-{pre['tokens']} / GEMM ceiling", "value": pre["of_ceiling"],
+                              "target": PREFILL_OF_GEMM, "passed": pre["of_ceiling"] >= PREFILL_OF_GEMM})
     if args.torch:
         batch = 8
         report["torch"] = {
@@ -222,6 +337,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="BLAS threads (1: the machine is shared)")
     p.add_argument("--bandwidth-mib", type=int, default=512)
+    p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--torch", action="store_true", help="also transformers' batched generate at batch 8")
     p.add_argument("--torch-new-tokens", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="smoke run: batches 1,2; 3 steps; small measurements")
@@ -229,6 +345,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.steps, args.prompt_tokens, args.bandwidth_mib = [1, 2], 3, 16, 64
+        args.prefill_tokens = 160
     return args
 
 

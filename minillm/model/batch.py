@@ -59,25 +59,29 @@ class DecodeRows:
 
     The same steps as :meth:`Transformer.attention`, with the sequences as a leading axis: QK-norm,
     RoPE at each row's own position, k and v written to each row's slot, then every row's keys
-    gathered from the pool and padded to the longest ``ctx``; each row's mask (``causal_mask`` at
+    gathered from the pool block by block, padded to the longest block table (``ctx`` = its blocks x
+    ``block_size``); each row's mask (``causal_mask`` at
     its own offset) hides the padding, so ``primitives.attention`` computes what it computes for the
     row alone. One set of NumPy calls per layer instead of one per sequence.
     """
 
     def __init__(self, model: Transformer, caches: list, rows: np.ndarray):
         self.model, self.caches, self.rows = model, caches, np.asarray(rows)
+        self.pool = _paged_pool(caches[0])
+        bs = self.pool.block_size
         positions = np.array([c.length for c in caches])  # [g]: each row's absolute position
-        ctx = int(positions.max()) + 1
-        self.slots = np.zeros((len(caches), ctx), dtype=np.int64)  # [g, ctx]: pool slot of each key
-        for r, (cache, p) in enumerate(zip(caches, positions, strict=True)):
-            self.slots[r, : p + 1] = cache.slots(p + 1)  # padding points at slot 0: masked below
-        self.new_slots = self.slots[np.arange(len(caches)), positions]  # [g]
+        n_blocks = [-(-(int(p) + 1) // bs) for p in positions]  # blocks holding positions 0..p
+        ctx = max(n_blocks) * bs  # keys gathered per row: whole blocks, padded to the longest table
+        self.tables = np.zeros((len(caches), max(n_blocks)), dtype=np.int64)  # [g, blocks]; padding: block 0
+        for r, (cache, n) in enumerate(zip(caches, n_blocks, strict=True)):
+            self.tables[r, :n] = cache.block_table[:n]
+        table = self.tables[np.arange(len(caches)), positions // bs]  # [g]: the block of each new key
+        self.new_slots = table * bs + positions % bs  # [g]: pool slot of each row's new key
         self.rope = {t: model.rope(positions, t) for t in model.inv_freq}  # (cos, sin) [g, head_dim]
         self.masks = {  # layer type -> [g, 1, 1, ctx]: each row's own mask at its own offset
             t: np.stack([_padded(model, t, int(p), ctx) for p in positions])[:, None, None, :]
             for t in model.masks(1, 0)
         }
-        self.pool = _paged_pool(caches[0])
 
     def __call__(self, i: int, layer: LayerWeights, qkv: np.ndarray) -> np.ndarray:
         cfg = self.model.config
@@ -97,10 +101,20 @@ class DecodeRows:
         keys, values = self.pool.keys[i], self.pool.values[i]  # [n_kv_heads, slots, head_dim]
         keys[:, self.new_slots] = k[:, :, 0].transpose(1, 0, 2)  # each row's key at its own slot
         values[:, self.new_slots] = v[:, :, 0].transpose(1, 0, 2)
-        k_all = keys[:, self.slots].transpose(1, 0, 2, 3)  # [g, n_kv_heads, ctx, head_dim]
-        v_all = values[:, self.slots].transpose(1, 0, 2, 3)
+        k_all, v_all = (self._gather(a) for a in (keys, values))  # [g, n_kv_heads, ctx, head_dim] each
         z, _ = primitives.attention(q, k_all, v_all, self.masks[layer_type], cfg.attn_scale)  # [g, n_heads, 1, hd]
         return z.reshape(g, cfg.q_dim)
+
+    def _gather(self, pooled: np.ndarray) -> np.ndarray:
+        """Every row's blocks of one layer's ``pooled`` keys or values ``[n_kv_heads, slots, head_dim]``
+        -> ``[g, n_kv_heads, ctx, head_dim]`` (a view of one copy). Whole blocks are copied by the
+        block table, so no per-position slot index is built; the copy itself is bound by memory
+        (32 rows of 80 positions: about 0.1 ms per layer for keys, as many for values)."""
+        n_kv, _, hd = pooled.shape
+        g, n_blocks = self.tables.shape
+        blocks = pooled.reshape(n_kv, self.pool.num_blocks, -1)  # [n_kv_heads, num_blocks, block_size * hd], a view
+        gathered = blocks[:, self.tables]  # [n_kv_heads, g, blocks, block_size * head_dim]: one copy
+        return gathered.reshape(n_kv, g, -1, hd).transpose(1, 0, 2, 3)  # [g, n_kv_heads, ctx, head_dim], a view
 
 
 def _padded(model: Transformer, layer_type: LayerType, position: int, ctx: int) -> np.ndarray:

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from minillm.model import products
+
 
 # --- embeddings and norms -------------------------------------------------------------------------
 def embed(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
@@ -224,15 +226,40 @@ def attention(
     return z.reshape(*lead, n_heads, seq, head_dim), pattern
 
 
+#: Query rows per chunk in :func:`attention_in_chunks` (prefill): 128 rows' scores for 9 heads over
+#: 512 keys are 2.4 MB, near the L2 cache, instead of 9.4 MB for all 512 rows at once.
+ATTENTION_CHUNK = 128
+
+
+def attention_in_chunks(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float, chunk: int = ATTENTION_CHUNK
+) -> np.ndarray:
+    """:func:`attention` for a long ``seq``, ``chunk`` query rows at a time, each chunk over the keys
+    it can see: ``z`` ``[n_heads, seq, head_dim]`` only (no pattern).
+
+    Valid for causal and sliding-window masks, where query ``j`` (at position ``offset + j``) never
+    sees a key after its own position: the chunk of rows ``a..b-1`` needs keys ``0..offset+b-1``
+    only, so the masked upper triangle is never computed (about half the score and value FLOPs of
+    a 512-token prefill with 4 chunks: 5/8 of the square) and each chunk's scores stay in cache.
+    Each row attends over fewer masked keys; the visible ones, and so the result, are the same
+    (float32 rounding apart: the sums have fewer zero terms). Shapes as :func:`attention`.
+    """
+    *_, seq, _ = q.shape
+    offset = mask.shape[-1] - seq  # positions cached before this call
+    z = np.empty(q.shape, dtype=np.float32)  # [n_heads, seq, head_dim]
+    for a in range(0, seq, chunk):
+        b = min(seq, a + chunk)
+        end = offset + b  # the last row of this chunk sees keys 0..end-1
+        z[..., a:b, :], _ = attention(q[..., a:b, :], k[..., :end, :], v[..., :end, :], mask[a:b, :end], scale)
+    return z
+
+
 # --- projections, activations and MLPs ------------------------------------------------------------
-#: In a batched forward pass (``Transformer.forward_batch`` sets this), a product with 2..FEW_ROWS
-#: rows takes :func:`few_rows_product`. A one-sequence ``forward`` keeps the plain product: its
-#: numbers and speed stay those lesson 1 measured.
-FEW_ROWS = 64
+#: In a batched forward pass (``Transformer.forward_batch`` sets this), a product with 2 to
+#: ``products.FEW_ROWS`` rows takes ``products.few_rows_product`` (the fastest formulation measured
+#: for this BLAS kernel). A one-sequence ``forward`` keeps the plain product: its numbers and speed
+#: stay those lesson 1 measured.
 BATCHED: ContextVar[bool] = ContextVar("batched", default=False)
-#: Bytes of weight rows per product in :func:`few_rows_product`: a slice that stays in the L2 cache
-#: (2 MiB per core here) while every input row passes over it.
-FEW_ROWS_SLICE_BYTES = 256 * 1024
 
 
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
@@ -240,42 +267,29 @@ def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndar
 
     ``w.T`` is a view (no copy): BLAS reads ``w``'s rows, so in decode each output is a dot
     product over contiguous memory (why this layout: ``weights.py``). One row is a matrix-vector
-    product; in a batched pass 2 to ``FEW_ROWS`` rows go through :func:`few_rows_product` (the same
-    numbers, summed in another order: float32 rounding apart); otherwise one general matrix product.
+    product; in a batched pass 2 to ``FEW_ROWS`` rows go through ``products.few_rows_product`` (the
+    same numbers, summed in another order: float32 rounding apart); otherwise one general product.
     """
-    few = 1 < x.shape[0] <= FEW_ROWS and BATCHED.get()
-    y = few_rows_product(x, w) if few else x @ w.T  # [seq, in] @ [in, out] -> [seq, out]
+    few = 1 < x.shape[0] <= products.FEW_ROWS and BATCHED.get()
+    y = products.few_rows_product(x, w) if few else x @ w.T  # [seq, in] @ [in, out] -> [seq, out]
     if b is not None:
         y += b  # in place: the product is a fresh array, no second allocation
     return y
-
-
-def few_rows_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w.T`` for a few rows (``x`` ``[rows, in]``, ``w`` ``[out, in]`` -> ``[rows, out]``), read
-    from memory once.
-
-    Decode is bound by reading the weights, so a batch of rows should cost little more than one
-    row. OpenBLAS's general product with few rows falls well short of that (measured on SmolLM2's
-    matrices: 2 rows cost 3 to 5 times one row). Two changes recover most of it: turn the product
-    around (``w @ x.T``: the weight is the big left operand, the rows the narrow right one), and feed
-    the weight in slices of ``FEW_ROWS_SLICE_BYTES`` that stay in cache while every row uses them.
-    Measured in ``benchmarks/batching.py``.
-    """
-    out_dim, in_dim = w.shape
-    x_t = np.ascontiguousarray(x.T)  # [in, rows]
-    y_t = np.empty((out_dim, x.shape[0]), dtype=np.result_type(x, w))  # [out, rows]
-    step = max(8, FEW_ROWS_SLICE_BYTES // (w.itemsize * in_dim))  # weight rows per slice
-    for start in range(0, out_dim, step):
-        np.matmul(w[start : start + step], x_t, out=y_t[start : start + step])  # [slice, in] @ [in, rows]
-    return np.ascontiguousarray(y_t.T)  # [rows, out]
 
 
 def silu(x: np.ndarray) -> np.ndarray:
     """SiLU / swish: ``x * sigmoid(x)``.
 
     ``sigmoid(x) = (1 + tanh(x / 2)) / 2`` is the same function, but never overflows ``exp``.
+    One new array, the rest in place (prefill's ``[512, 1536]`` would take four): the same
+    operations in the same order, so the same numbers.
     """
-    return x * (np.float32(0.5) * (np.float32(1.0) + np.tanh(np.float32(0.5) * x)))
+    s = np.multiply(x, np.float32(0.5))  # x / 2, a fresh array
+    np.tanh(s, out=s)
+    s += np.float32(1.0)
+    s *= np.float32(0.5)  # sigmoid(x)
+    s *= x
+    return s
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:

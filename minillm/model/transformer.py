@@ -219,7 +219,10 @@ class Transformer:
             rot_k = primitives.apply_rope(rot_k, cos, sin)
         # the cache keeps keys already rotated: a key's position never changes
         keys, values = (rot_k, v) if cache is None else cache.write(i, rot_k, v)  # [n_kv_heads, ctx, head_dim]
-        z, pattern = primitives.attention(rot_q, keys, values, mask, cfg.attn_scale)  # [n_heads, seq, head_dim]
+        if hook is None and seq > primitives.ATTENTION_CHUNK:  # long prefill: causal chunks, scores in cache
+            z = primitives.attention_in_chunks(rot_q, keys, values, mask, cfg.attn_scale)  # [n_heads, seq, head_dim]
+        else:
+            z, pattern = primitives.attention(rot_q, keys, values, mask, cfg.attn_scale)  # [n_heads, seq, head_dim]
         if hook is not None:
             named = {"q": q, "k": k, "v": v, "rot_q": rot_q, "rot_k": rot_k, "pattern": pattern, "z": z}
             hook(**{"attn." + name: value for name, value in named.items()})
@@ -235,7 +238,9 @@ class Transformer:
             gate_up = layer.project("gate_up", h)  # [seq, 2 * ffn]: gate | up
             ffn = self.config.intermediate_size
             gate, up = gate_up[:, :ffn], gate_up[:, ffn:]  # each [seq, ffn], views
-            return layer.project("down", self.act(gate) * up)
+            act = self.act(gate)  # a fresh array: multiplied by up in place
+            act *= up
+            return layer.project("down", act)
         return layer.project("down", self.act(layer.project("up", h)))
 
 
