@@ -35,8 +35,9 @@ DEFAULT_JSON = ROOT / "benchmarks" / "results" / "local" / "ab.json"
 
 def export_before(rev: str, into: Path) -> str:
     """Export ``rev``'s ``minillm/`` as the package ``minillm_before`` under ``into``; returns its name."""
-    tar = subprocess.run(["git", "archive", rev, "minillm", "weights_manifest.toml"], cwd=ROOT, check=True,
-                         capture_output=True).stdout
+    tar = subprocess.run(
+        ["git", "archive", rev, "minillm", "weights_manifest.toml"], cwd=ROOT, check=True, capture_output=True
+    ).stdout
     with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
         archive.extractall(into, filter="data")
     package = into / "minillm_before"
@@ -95,8 +96,14 @@ def main(argv: list[str] | None = None) -> int:
                 m, model = modules[name], models[name]
                 times[name]["decode_s"].append(time_decode(m, model, args.steps, args.context))
                 times[name]["prefill_s"].append(time_prefill(m, model, args.prefill_tokens))
-    report = {"before": args.before, "rounds": args.rounds, "steps": args.steps, "context": args.context,
-              "prefill_tokens": args.prefill_tokens, "times": times}
+    report = {
+        "before": args.before,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "context": args.context,
+        "prefill_tokens": args.prefill_tokens,
+        "times": times,
+    }
     for figure in ("decode_s", "prefill_s"):
         b, a = statistics.median(times["before"][figure]), statistics.median(times["after"][figure])
         report[figure] = {"before": b, "after": a, "after_over_before": a / b}

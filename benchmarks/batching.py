@@ -64,8 +64,15 @@ PREFILL_OF_GEMM = 0.75  # prefill-512 FLOP/s >= 75 % of the GEMM ceiling
 
 
 # --- pure arithmetic (tested exactly in tests/test_batching.py) ------------------------------------
-def step_bounds(batch: int, weight_bytes: int, parameters: int, kv_bytes_per_position: int, context: float,
-                bandwidth_bytes_s: float, flop_s: float) -> dict:
+def step_bounds(
+    batch: int,
+    weight_bytes: int,
+    parameters: int,
+    kv_bytes_per_position: int,
+    context: float,
+    bandwidth_bytes_s: float,
+    flop_s: float,
+) -> dict:
     """The two lower bounds on a decode step of ``batch`` rows, seconds, and the ceiling tokens/s."""
     memory_s = (weight_bytes + batch * context * kv_bytes_per_position) / bandwidth_bytes_s
     compute_s = 2 * parameters * batch / flop_s
@@ -189,9 +196,16 @@ def prefill_vs_gemm(model, tokens: int, repeats: int, square_gflop_s: float) -> 
     achieved = sum(flops.values()) / seconds / 1e9
     own_gflop_s = 2 * layer_parameters * tokens / own_s / 1e9
     ceiling = max(own_gflop_s, square_gflop_s)
-    return {"tokens": tokens, "seconds": seconds, "flops": flops, "achieved_gflop_s": achieved,
-            "own_products_gflop_s": own_gflop_s, "square_gemm_gflop_s": square_gflop_s,
-            "ceiling_gflop_s": ceiling, "of_ceiling": achieved / ceiling}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "flops": flops,
+        "achieved_gflop_s": achieved,
+        "own_products_gflop_s": own_gflop_s,
+        "square_gemm_gflop_s": square_gflop_s,
+        "ceiling_gflop_s": ceiling,
+        "of_ceiling": achieved / ceiling,
+    }
 
 
 def torch_batched_decode(model, batch: int, prompt_tokens: int, new_tokens: int, threads: int = 1) -> float:
@@ -216,8 +230,9 @@ def torch_batched_decode(model, batch: int, prompt_tokens: int, new_tokens: int,
     def run(n: int) -> float:
         t0 = time.perf_counter()
         with torch.no_grad():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                        pad_token_id=0)
+            hf.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
         return time.perf_counter() - t0
 
     run(2)
@@ -245,18 +260,22 @@ def minillm_batched_decode(model, batch: int, prompt_tokens: int, new_tokens: in
 
 def run(args) -> dict:
     import minillm
-
     from minillm.model import products
     from minillm.observe.metrics import cpu_snapshot, others_cpu_share
 
     keep = workers.limit_threads(args.threads)
-    blas = [f"{b.get('internal_api')} {b.get('version')} kernel {b.get('architecture')}, {b.get('num_threads')} threads"
-            for b in workers.blas_info()]
-    print(f"  BLAS: {'; '.join(blas)}; few-rows plan: {products.PLAN.get(products.blas_kernel(), 'plain')}",
-          flush=True)
+    blas = [
+        f"{b.get('internal_api')} {b.get('version')} kernel {b.get('architecture')}, {b.get('num_threads')} threads"
+        for b in workers.blas_info()
+    ]
+    print(f"  BLAS: {'; '.join(blas)}; few-rows plan: {products.PLAN.get(products.blas_kernel(), 'plain')}", flush=True)
     machine = workers.measure_machine(
-        {"threads": args.threads, "machine_repeats": 3, "bandwidth_bytes": args.bandwidth_mib * 2**20,
-         "gemm_n": 1024 if args.quick else 2048}
+        {
+            "threads": args.threads,
+            "machine_repeats": 3,
+            "bandwidth_bytes": args.bandwidth_mib * 2**20,
+            "gemm_n": 1024 if args.quick else 2048,
+        }
     )
     model = minillm.load(args.model, progress=False)
     mats = matrices(model)
@@ -272,41 +291,79 @@ def run(args) -> dict:
         times = curve[batch]
         step_s = statistics.median(times[1:] if len(times) > 2 else times)
         context = args.prompt_tokens + args.steps / 2
-        bounds = step_bounds(batch, weight_bytes, parameters, kv, context, machine["bandwidth_gb_s"] * 1e9,
-                             machine["gemm_gflop_s"] * 1e9)
+        bounds = step_bounds(
+            batch, weight_bytes, parameters, kv, context, machine["bandwidth_gb_s"] * 1e9, machine["gemm_gflop_s"] * 1e9
+        )
         ways = products_alone(model, batch, repeats=2 if args.quick else 4)
-        row = {"batch": batch, "step_s": step_s, "tokens_s": batch / step_s, **bounds,
-               "of_ceiling": batch / step_s / bounds["ceiling_tokens_s"],
-               "products_s": ways, "formulation": products.formulation(batch),
-               "others_cores_decode": others_decode,
-               "others_cores_products": others_cpu_share(before, cpu_snapshot()) * (os.cpu_count() or 1)}
+        row = {
+            "batch": batch,
+            "step_s": step_s,
+            "tokens_s": batch / step_s,
+            **bounds,
+            "of_ceiling": batch / step_s / bounds["ceiling_tokens_s"],
+            "products_s": ways,
+            "formulation": products.formulation(batch),
+            "others_cores_decode": others_decode,
+            "others_cores_products": others_cpu_share(before, cpu_snapshot()) * (os.cpu_count() or 1),
+        }
         rows.append(row)
         alone = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in ways.items())
-        print(f"  batch {batch:>3}: step {step_s * 1e3:7.1f} ms  {row['tokens_s']:7.1f} tok/s  "
-              f"ceiling {bounds['ceiling_tokens_s']:7.1f} ({row['of_ceiling']:.0%})  products alone (ms): {alone}  "
-              f"[others kept {row['others_cores_products']:.2f} cores busy]", flush=True)
+        print(
+            f"  batch {batch:>3}: step {step_s * 1e3:7.1f} ms  {row['tokens_s']:7.1f} tok/s  "
+            f"ceiling {bounds['ceiling_tokens_s']:7.1f} ({row['of_ceiling']:.0%})  products alone (ms): {alone}  "
+            f"[others kept {row['others_cores_products']:.2f} cores busy]",
+            flush=True,
+        )
     base = rows[0]["tokens_s"] if rows and rows[0]["batch"] == 1 else None
     ratios = {r["batch"]: r["tokens_s"] / base for r in rows} if base else {}
     limits = {r["batch"]: r["ceiling_tokens_s"] / rows[0]["ceiling_tokens_s"] for r in rows} if base else {}
     if ratios:
-        print("  aggregate tokens/s against batch 1: "
-              + ", ".join(f"{b}: {v:.2f}x (limits allow {limits[b]:.1f}x)" for b, v in ratios.items()))
-    targets = [{"name": f"batch {b} / batch 1", "value": ratios.get(b), "target": t,
-                "passed": None if b not in ratios else ratios[b] >= t} for b, t in TARGETS.items()]
-    report = {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": sys.argv,
-              "settings": vars(args) | {"json": str(args.json)}, "load_average": os.getloadavg(),
-              "openblas_env": {k: os.environ.get(k) for k in workers.OPENBLAS_VARS}, "blas": workers.blas_info(),
-              "machine": machine, "weight_bytes": weight_bytes, "parameters": parameters, "rows": rows,
-              "ratios": ratios, "limit_ratios": limits, "targets": targets}
+        print(
+            "  aggregate tokens/s against batch 1: "
+            + ", ".join(f"{b}: {v:.2f}x (limits allow {limits[b]:.1f}x)" for b, v in ratios.items())
+        )
+    targets = [
+        {
+            "name": f"batch {b} / batch 1",
+            "value": ratios.get(b),
+            "target": t,
+            "passed": None if b not in ratios else ratios[b] >= t,
+        }
+        for b, t in TARGETS.items()
+    ]
+    report = {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "command": sys.argv,
+        "settings": vars(args) | {"json": str(args.json)},
+        "load_average": os.getloadavg(),
+        "openblas_env": {k: os.environ.get(k) for k in workers.OPENBLAS_VARS},
+        "blas": workers.blas_info(),
+        "machine": machine,
+        "weight_bytes": weight_bytes,
+        "parameters": parameters,
+        "rows": rows,
+        "ratios": ratios,
+        "limit_ratios": limits,
+        "targets": targets,
+    }
     before = cpu_snapshot()
     pre = prefill_vs_gemm(model, args.prefill_tokens, 2 if args.quick else 3, machine["gemm_gflop_s"])
     pre["others_cores"] = others_cpu_share(before, cpu_snapshot()) * (os.cpu_count() or 1)
     report["prefill"] = pre
-    print(f"  prefill-{pre['tokens']}: {pre['seconds'] * 1e3:.0f} ms, {pre['achieved_gflop_s']:.1f} GFLOP/s; GEMM "
-          f"ceiling: square {pre['square_gemm_gflop_s']:.1f}, its own products {pre['own_products_gflop_s']:.1f} "
-          f"GFLOP/s -> {pre['of_ceiling']:.0%} of the higher [others kept {pre['others_cores']:.2f} cores busy]")
-    report["targets"].append({"name": f"prefill-{pre['tokens']} / GEMM ceiling", "value": pre["of_ceiling"],
-                              "target": PREFILL_OF_GEMM, "passed": pre["of_ceiling"] >= PREFILL_OF_GEMM})
+    print(
+        f"  prefill-{pre['tokens']}: {pre['seconds'] * 1e3:.0f} ms, {pre['achieved_gflop_s']:.1f} GFLOP/s; GEMM "
+        f"ceiling: square {pre['square_gemm_gflop_s']:.1f}, its own products {pre['own_products_gflop_s']:.1f} "
+        f"GFLOP/s -> {pre['of_ceiling']:.0%} of the higher [others kept {pre['others_cores']:.2f} cores busy]"
+    )
+    report["targets"].append(
+        {
+            "name": f"prefill-{pre['tokens']} / GEMM ceiling",
+            "value": pre["of_ceiling"],
+            "target": PREFILL_OF_GEMM,
+            "passed": pre["of_ceiling"] >= PREFILL_OF_GEMM,
+        }
+    )
     if args.torch:
         batch = 8
         report["torch"] = {
@@ -318,8 +375,14 @@ def run(args) -> dict:
         }
         t = report["torch"]
         t["ratio"] = t["minillm_tokens_s"] / t["transformers_tokens_s"]
-        report["targets"].append({"name": "minillm / transformers batched generate (batch 8)", "value": t["ratio"],
-                                  "target": 1.5, "passed": t["ratio"] >= 1.5})
+        report["targets"].append(
+            {
+                "name": "minillm / transformers batched generate (batch 8)",
+                "value": t["ratio"],
+                "target": 1.5,
+                "passed": t["ratio"] >= 1.5,
+            }
+        )
     del keep
     for t in report["targets"]:
         verdict = "—" if t["passed"] is None else ("pass" if t["passed"] else "FAIL")

@@ -46,8 +46,10 @@ def _free_port() -> int:
 
 
 def _kernel(env: dict) -> str:
-    code = ("import numpy, threadpoolctl; i = [b for b in threadpoolctl.threadpool_info() if b['user_api'] == 'blas'];"
-            "print(i[0].get('architecture') if i else '?')")
+    code = (
+        "import numpy, threadpoolctl; i = [b for b in threadpoolctl.threadpool_info() if b['user_api'] == 'blas'];"
+        "print(i[0].get('architecture') if i else '?')"
+    )
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip()
 
 
@@ -69,9 +71,22 @@ def main(argv=None) -> dict:
     env = {**os.environ, "OPENBLAS_NUM_THREADS": str(args.threads)}
     kernel = _kernel(env)
     server = subprocess.Popen(
-        [sys.executable, "-m", "minillm.cli", "serve", args.model, "--port", str(port), "--threads",
-         str(args.threads), "--verbosity", "quiet"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "minillm.cli",
+            "serve",
+            args.model,
+            "--port",
+            str(port),
+            "--threads",
+            str(args.threads),
+            "--verbosity",
+            "quiet",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -84,8 +99,11 @@ def main(argv=None) -> dict:
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.5)
-        print(f"  server: BLAS kernel {kernel}, {args.threads} thread(s); {args.requests} requests per level, "
-              f"prompt ~{args.prompt_tokens} tokens, {args.max_tokens} new tokens each", flush=True)
+        print(
+            f"  server: BLAS kernel {kernel}, {args.threads} thread(s); {args.requests} requests per level, "
+            f"prompt ~{args.prompt_tokens} tokens, {args.max_tokens} new tokens each",
+            flush=True,
+        )
         levels = asyncio.run(_levels(bench, url, args, server.pid, cpu_snapshot))
     finally:
         server.terminate()
@@ -93,10 +111,19 @@ def main(argv=None) -> dict:
     pairs = zip(levels[::2], levels[1::2], strict=True)  # (concurrency 1, concurrency 8) per round
     ratios = [b["output_tokens_per_s"] / a["output_tokens_per_s"] for a, b in pairs]
     ratio = statistics.median(ratios)
-    print(f"  output tokens/s, concurrency 8 / 1: {', '.join(f'{x:.2f}' for x in ratios)} -> median {ratio:.2f} "
-          f"(target >= {TARGET}): {'pass' if ratio >= TARGET else 'FAIL'}")
-    report = {"settings": {k: str(v) for k, v in vars(args).items()}, "kernel": kernel, "levels": levels,
-              "ratios": ratios, "ratio": ratio, "target": TARGET, "load_average": os.getloadavg()}
+    print(
+        f"  output tokens/s, concurrency 8 / 1: {', '.join(f'{x:.2f}' for x in ratios)} -> median {ratio:.2f} "
+        f"(target >= {TARGET}): {'pass' if ratio >= TARGET else 'FAIL'}"
+    )
+    report = {
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "kernel": kernel,
+        "levels": levels,
+        "ratios": ratios,
+        "ratio": ratio,
+        "target": TARGET,
+        "load_average": os.getloadavg(),
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1, default=str))
     return report
@@ -113,8 +140,9 @@ async def _levels(bench, url: str, args, server_pid: int, cpu_snapshot) -> list[
         for r in range(args.rounds):
             for c in (1, 8):
                 before, server_before = cpu_snapshot(), _cpu_seconds(server_pid)
-                level = await bench.run_level(http, url, args.model, c, args.requests, words, args.max_tokens,
-                                              first_index=index)
+                level = await bench.run_level(
+                    http, url, args.model, c, args.requests, words, args.max_tokens, first_index=index
+                )
                 index += args.requests
                 after, server_after = cpu_snapshot(), _cpu_seconds(server_pid)
                 wall, busy = after[0] - before[0], after[1] - before[1]
@@ -122,9 +150,12 @@ async def _levels(bench, url: str, args, server_pid: int, cpu_snapshot) -> list[
                 others = max(0.0, busy - ours) / wall  # cores other processes kept busy
                 level |= {"round": r, "others_cores": others}
                 levels.append(level)
-                print(f"  round {r} concurrency {c}: {level['output_tokens_per_s']:6.1f} output tokens/s, TPOT p50 "
-                      f"{level['tpot_s']['p50'] * 1e3:6.1f} ms, TTFT p50 {level['ttft_s']['p50'] * 1e3:7.1f} ms "
-                      f"[others kept {others:.2f} cores busy]", flush=True)
+                print(
+                    f"  round {r} concurrency {c}: {level['output_tokens_per_s']:6.1f} output tokens/s, TPOT p50 "
+                    f"{level['tpot_s']['p50'] * 1e3:6.1f} ms, TTFT p50 {level['ttft_s']['p50'] * 1e3:7.1f} ms "
+                    f"[others kept {others:.2f} cores busy]",
+                    flush=True,
+                )
     return levels
 
 

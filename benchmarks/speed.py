@@ -51,8 +51,21 @@ RUNTIMES = ("minillm", "torch-eager", "torch-sdpa")
 # Untracked (.gitignore): a run, --quick or not, never overwrites the committed results/speed.json.
 DEFAULT_JSON = Path(__file__).parent / "results" / "local" / "speed.json"
 COMMITTED_JSON = Path(__file__).parent / "results" / "speed.json"
-REPORT_KEYS = ("schema", "created", "command", "settings", "host", "machine", "runtimes",
-               "figures", "ceilings", "ratios", "targets", "curves", "workers")
+REPORT_KEYS = (
+    "schema",
+    "created",
+    "command",
+    "settings",
+    "host",
+    "machine",
+    "runtimes",
+    "figures",
+    "ceilings",
+    "ratios",
+    "targets",
+    "curves",
+    "workers",
+)
 
 # The targets of issue 6.
 DECODE_VS_EAGER = 1.3  # minillm decode tokens/s >= 1.3 x transformers eager
@@ -81,8 +94,9 @@ def mean_decode_context(prompt_tokens: int, new_tokens: int) -> float:
     return prompt_tokens + (steps + 1) / 2 if steps > 0 else float(prompt_tokens)
 
 
-def decode_bytes_per_token(matmul_parameters: int, kv_bytes_per_token: int, context: float,
-                           bytes_per_parameter: int = 4) -> float:
+def decode_bytes_per_token(
+    matmul_parameters: int, kv_bytes_per_token: int, context: float, bytes_per_parameter: int = 4
+) -> float:
     """Bytes one decode step must read from memory: every projection and the LM head once
     (``matmul_parameters`` x 4 bytes in float32) plus the KV cache's ``context`` positions."""
     return matmul_parameters * bytes_per_parameter + kv_bytes_per_token * context
@@ -114,8 +128,7 @@ def summarise_runtime(raw: dict, statistic: str = "median") -> dict:
     tokens/s, decode step ms, peak RSS. ``statistic`` is "median" (the default) or "best" (the
     fastest run: on a machine others share, the one least disturbed)."""
     pick = median if statistic == "median" else best
-    prefill = {length: pick([int(length) / s for s in r["seconds"]])
-               for length, r in raw.get("prefill", {}).items()}
+    prefill = {length: pick([int(length) / s for s in r["seconds"]]) for length, r in raw.get("prefill", {}).items()}
     decode = raw.get("decode")
     decode_tps = pick([(decode["new_tokens"] - 1) / s for s in decode["seconds"]]) if decode else None
     products = raw.get("weights_pass")
@@ -153,8 +166,11 @@ def compute_ratios(figures: dict, ceilings: dict | None) -> dict:
     """minillm / torch eager, minillm / torch sdpa and minillm / ceiling for every figure, and
     minillm's decode / its matrix products alone (the share of a step that streams weights)."""
     mine = figures.get("minillm", {})
-    out = {"minillm/weights-pass": {"decode_tokens_per_s": ratio(mine.get("decode_tokens_per_s"),
-                                                                mine.get("weights_pass_tokens_per_s"))}}
+    out = {
+        "minillm/weights-pass": {
+            "decode_tokens_per_s": ratio(mine.get("decode_tokens_per_s"), mine.get("weights_pass_tokens_per_s"))
+        }
+    }
     for other in ("torch-eager", "torch-sdpa"):
         theirs = figures.get(other, {})
         out[f"minillm/{other}"] = {
@@ -162,15 +178,17 @@ def compute_ratios(figures: dict, ceilings: dict | None) -> dict:
             "decode_tokens_per_s": ratio(mine.get("decode_tokens_per_s"), theirs.get("decode_tokens_per_s")),
             "prefill_tokens_per_s": {
                 n: ratio(v, theirs.get("prefill_tokens_per_s", {}).get(n))
-                for n, v in mine.get("prefill_tokens_per_s", {}).items()},
+                for n, v in mine.get("prefill_tokens_per_s", {}).items()
+            },
             "peak_rss_bytes": ratio(mine.get("peak_rss_bytes"), theirs.get("peak_rss_bytes")),
         }
     if ceilings:
         out["minillm/ceiling"] = {
             "decode_tokens_per_s": ratio(mine.get("decode_tokens_per_s"), ceilings["decode_tokens_per_s"]),
             "weights_pass_tokens_per_s": ratio(mine.get("weights_pass_tokens_per_s"), ceilings["decode_tokens_per_s"]),
-            "prefill_tokens_per_s": {n: ratio(v, ceilings["prefill_tokens_per_s"])
-                                     for n, v in mine.get("prefill_tokens_per_s", {}).items()},
+            "prefill_tokens_per_s": {
+                n: ratio(v, ceilings["prefill_tokens_per_s"]) for n, v in mine.get("prefill_tokens_per_s", {}).items()
+            },
         }
     return out
 
@@ -181,27 +199,49 @@ def evaluate_targets(figures: dict, ratios: dict, memory: dict | None) -> list[d
     mine = figures.get("minillm", {})
 
     def at_least(name, value, target, unit="x"):
-        return {"name": name, "value": value, "target": f">= {target:g}{unit}",
-                "passed": None if value is None else value >= target}
+        return {
+            "name": name,
+            "value": value,
+            "target": f">= {target:g}{unit}",
+            "passed": None if value is None else value >= target,
+        }
 
     def at_most(name, value, target, unit):
-        return {"name": name, "value": value, "target": f"<= {target:,.3g} {unit}",
-                "passed": None if value is None else value <= target}
+        return {
+            "name": name,
+            "value": value,
+            "target": f"<= {target:,.3g} {unit}",
+            "passed": None if value is None else value <= target,
+        }
 
     length = str(PREFILL_TARGET_LENGTH)
     budget = rss_budget(memory["weights_bytes"], memory["kv_bytes"]) if memory else None
     rss = mine.get("peak_rss_bytes")
     return [
-        at_least("decode tokens/s vs torch eager", ratios.get("minillm/torch-eager", {}).get("decode_tokens_per_s"),
-                 DECODE_VS_EAGER),
-        at_least("decode tokens/s vs bandwidth ceiling",
-                 ratios.get("minillm/ceiling", {}).get("decode_tokens_per_s"), DECODE_VS_CEILING),
-        at_least(f"prefill tokens/s at {length} vs torch sdpa",
-                 ratios.get("minillm/torch-sdpa", {}).get("prefill_tokens_per_s", {}).get(length), PREFILL_VS_SDPA),
+        at_least(
+            "decode tokens/s vs torch eager",
+            ratios.get("minillm/torch-eager", {}).get("decode_tokens_per_s"),
+            DECODE_VS_EAGER,
+        ),
+        at_least(
+            "decode tokens/s vs bandwidth ceiling",
+            ratios.get("minillm/ceiling", {}).get("decode_tokens_per_s"),
+            DECODE_VS_CEILING,
+        ),
+        at_least(
+            f"prefill tokens/s at {length} vs torch sdpa",
+            ratios.get("minillm/torch-sdpa", {}).get("prefill_tokens_per_s", {}).get(length),
+            PREFILL_VS_SDPA,
+        ),
         at_most("warm load", mine.get("load_s"), LOAD_MAX_S, "s"),
-        {"name": "peak RSS", "value": None if rss is None else rss / 2**20,
-         "target": "<= weights + KV + 25%" if budget is None else f"<= {budget / 2**20:,.0f} MiB (weights + KV + 25%)",
-         "passed": None if rss is None or budget is None else rss <= budget},
+        {
+            "name": "peak RSS",
+            "value": None if rss is None else rss / 2**20,
+            "target": "<= weights + KV + 25%"
+            if budget is None
+            else f"<= {budget / 2**20:,.0f} MiB (weights + KV + 25%)",
+            "passed": None if rss is None or budget is None else rss <= budget,
+        },
     ]
 
 
@@ -225,19 +265,30 @@ def spawn(name: str, opts: dict, env: dict, in_process: bool, wait_quiet_s: floa
         return workers.measure(name, opts)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "benchmarks.speed", "--worker", name,
-               "--worker-opts", json.dumps(opts), "--worker-out", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.speed",
+            "--worker",
+            name,
+            "--worker-opts",
+            json.dumps(opts),
+            "--worker-out",
+            str(out),
+        ]
         subprocess.run(cmd, env=env, check=True, cwd=Path(__file__).resolve().parent.parent)
         return json.loads(out.read_text())
 
 
 def machine_busy_share(seconds: float) -> float:
     """Share of all cores' time spent busy over the next ``seconds`` (from /proc/stat)."""
+
     def sample():
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
         idle = fields[3] + fields[4]
         return sum(fields[:8]) - idle, sum(fields[:8])
+
     busy0, total0 = sample()
     time.sleep(seconds)
     busy1, total1 = sample()
@@ -299,8 +350,12 @@ def run(args) -> dict:
     worker_facts = []
 
     def note(name, result):
-        worker_facts.append({"worker": name, **{k: result.get(k) for k in
-                                                ("pid", "blas", "env", "loadavg", "peak_rss_bytes", "contention")}})
+        worker_facts.append(
+            {
+                "worker": name,
+                **{k: result.get(k) for k in ("pid", "blas", "env", "loadavg", "peak_rss_bytes", "contention")},
+            }
+        )
         return result
 
     if not args.no_machine:
@@ -312,8 +367,10 @@ def run(args) -> dict:
         say(f"measuring {runtime}")
         result = note(runtime, spawn(runtime, opts, env, args.in_process, args.wait_quiet, say))
         for _ in range(args.repeats - 1):  # more warm loads, each in a fresh process
-            extra = note(runtime + " (load)", spawn(runtime, {**opts, "load_only": True}, env, args.in_process,
-                                                    args.wait_quiet, say))
+            extra = note(
+                runtime + " (load)",
+                spawn(runtime, {**opts, "load_only": True}, env, args.in_process, args.wait_quiet, say),
+            )
             result["load_s"] += extra["load_s"]
         raw[runtime] = result
     curves = None
@@ -323,8 +380,7 @@ def run(args) -> dict:
 
     figures = {name: summarise_runtime(r, args.statistic) for name, r in raw.items()}
     model = raw.get("minillm", {}).get("model")
-    ceilings = compute_ceilings(machine, model, args.decode_prompt_len, args.new_tokens) \
-        if machine and model else None
+    ceilings = compute_ceilings(machine, model, args.decode_prompt_len, args.new_tokens) if machine and model else None
     ratios = compute_ratios(figures, ceilings)
     memory = {"weights_bytes": model["weights_bytes"], "kv_bytes": raw["minillm"]["kv_bytes_max"]} if model else None
     targets = evaluate_targets(figures, ratios, memory)
@@ -332,13 +388,24 @@ def run(args) -> dict:
         "schema": SCHEMA,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.speed", *args.argv]),
-        "settings": {**opts, "runtimes": list(args.runtimes), "quick": args.quick, "statistic": args.statistic,
-                     "wait_quiet_s": args.wait_quiet,
-                     "unset_openblas_env": args.unset_openblas_env, "in_process": args.in_process,
-                     "parent_env": {n: os.environ.get(n) for n in workers.OPENBLAS_VARS}},
-        "host": {"cpu": cpu_name(), "cores": default_threads(), "python": sys.version.split()[0],
-                 "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
-                 "seconds": time.time() - started},
+        "settings": {
+            **opts,
+            "runtimes": list(args.runtimes),
+            "quick": args.quick,
+            "statistic": args.statistic,
+            "wait_quiet_s": args.wait_quiet,
+            "unset_openblas_env": args.unset_openblas_env,
+            "in_process": args.in_process,
+            "parent_env": {n: os.environ.get(n) for n in workers.OPENBLAS_VARS},
+        },
+        "host": {
+            "cpu": cpu_name(),
+            "cores": default_threads(),
+            "python": sys.version.split()[0],
+            "loadavg_before": load_before,
+            "loadavg_after": list(os.getloadavg()),
+            "seconds": time.time() - started,
+        },
         "machine": machine,
         "runtimes": raw,
         "figures": figures,
@@ -366,15 +433,25 @@ def parse_args(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks.speed", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct", help="manifest name or local folder")
-    p.add_argument("--runtimes", default=",".join(RUNTIMES),
-                   help=f"comma-separated subset of {','.join(RUNTIMES)} (default all)")
+    p.add_argument(
+        "--runtimes", default=",".join(RUNTIMES), help=f"comma-separated subset of {','.join(RUNTIMES)} (default all)"
+    )
     p.add_argument("--repeats", type=int, default=None, help="runs per figure, median reported (default 5; --quick 2)")
-    p.add_argument("--statistic", choices=("median", "best"), default="median",
-                   help="figure from the repeats: median (default) or best (the fastest run; steadier on a busy machine)")
+    p.add_argument(
+        "--statistic",
+        choices=("median", "best"),
+        default="median",
+        help="figure from the repeats: median (default) or best (the fastest run; steadier on a busy machine)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, 32 new tokens, small machine tests")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"where to write the report (default {DEFAULT_JSON})")
-    p.add_argument("--curves", action="store_true",
-                   help="also measure prefill time vs length and decode step time vs position (with/without cache)")
+    p.add_argument(
+        "--json", type=Path, default=DEFAULT_JSON, help=f"where to write the report (default {DEFAULT_JSON})"
+    )
+    p.add_argument(
+        "--curves",
+        action="store_true",
+        help="also measure prefill time vs length and decode step time vs position (with/without cache)",
+    )
     p.add_argument("--threads", type=int, default=default_threads(), help="BLAS / torch threads (default: all cores)")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[16, 128, 512])
     p.add_argument("--decode-prompt-len", type=int, default=16)
@@ -385,13 +462,24 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--curve-max-ctx", type=int, default=None)
     p.add_argument("--curve-nocache-ctx", type=int, nargs="+", default=None)
     p.add_argument("--curve-repeats", type=int, default=None)
-    p.add_argument("--unset-openblas-env", action="store_true",
-                   help="start the workers without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE")
-    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                   help="before each worker, wait up to SECONDS for other processes to leave the cores idle")
+    p.add_argument(
+        "--unset-openblas-env",
+        action="store_true",
+        help="start the workers without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE",
+    )
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each worker, wait up to SECONDS for other processes to leave the cores idle",
+    )
     p.add_argument("--no-machine", action="store_true", help="skip the bandwidth / GEMM measurements")
-    p.add_argument("--in-process", action="store_true",
-                   help="run the workers in this process (tests); peak RSS is then not per runtime")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the workers in this process (tests); peak RSS is then not per runtime",
+    )
     p.add_argument("--silent", action="store_true", help="print nothing (tests)")
     p.add_argument("--worker", choices=sorted(workers.WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--worker-opts", help=argparse.SUPPRESS)
@@ -404,9 +492,13 @@ def parse_args(argv: list[str] | None = None):
     if unknown:
         p.error(f"unknown runtime(s) {', '.join(sorted(unknown))}; choose from {', '.join(RUNTIMES)}")
     defaults = {
-        "repeats": (2, 5), "new_tokens": (32, 128), "bandwidth_mib": (256, 1024), "gemm_n": (1024, 2048),
+        "repeats": (2, 5),
+        "new_tokens": (32, 128),
+        "bandwidth_mib": (256, 1024),
+        "gemm_n": (1024, 2048),
         "curve_lengths": ([1, 16, 64, 256], [1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024]),
-        "curve_max_ctx": (64, 1024), "curve_nocache_ctx": ([1, 16, 64], [1, 16, 64, 128, 256, 512, 768, 1024]),
+        "curve_max_ctx": (64, 1024),
+        "curve_nocache_ctx": ([1, 16, 64], [1, 16, 64, 128, 256, 512, 768, 1024]),
         "curve_repeats": (1, 3),
     }
     for name, (q, full) in defaults.items():

@@ -41,8 +41,17 @@ def blas_info() -> list[dict]:
     """threadpoolctl's view of the native thread pools loaded in this process (BLAS, OpenMP)."""
     from threadpoolctl import threadpool_info
 
-    keys = ("user_api", "internal_api", "prefix", "version", "architecture", "corename",
-            "threading_layer", "num_threads", "filepath")
+    keys = (
+        "user_api",
+        "internal_api",
+        "prefix",
+        "version",
+        "architecture",
+        "corename",
+        "threading_layer",
+        "num_threads",
+        "filepath",
+    )
     return [{k: pool[k] for k in keys if k in pool} for pool in threadpool_info()]
 
 
@@ -121,20 +130,22 @@ def measure_machine(opts: dict) -> dict:
     threads, repeats = opts["threads"], opts["machine_repeats"]
     keep = limit_threads(threads)
     n = opts["bandwidth_bytes"] // 4
-    src = np.ones(n, dtype=np.float32)
-    dst = np.zeros(n, dtype=np.float32)  # touched, so no page faults inside the timing
-    src_parts, dst_parts = np.array_split(src, threads), np.array_split(dst, threads)
 
     def best(fn) -> float:
         return min(timed(fn, repeats, warmup=1))
 
-    with ThreadPoolExecutor(threads) as pool:
-        read_s = best(lambda: list(pool.map(np.sum, src_parts)))
-        copy_s = best(lambda: list(pool.map(np.copyto, dst_parts, src_parts)))
-    read_1_s = best(lambda: np.sum(src))
-    matrix, vector = src.reshape(-1, 4096), np.ones(4096, dtype=np.float32)
-    gemv_s = best(lambda: matrix @ vector)
-    del src, dst, src_parts, dst_parts, matrix
+    def bandwidth_seconds() -> tuple[float, float, float, float]:
+        """read, copy, one-thread read and GEMV seconds; the 2 GiB of arrays are freed on return."""
+        src = np.ones(n, dtype=np.float32)
+        dst = np.zeros(n, dtype=np.float32)  # touched, so no page faults inside the timing
+        src_parts, dst_parts = np.array_split(src, threads), np.array_split(dst, threads)
+        with ThreadPoolExecutor(threads) as pool:
+            read_s = best(lambda: list(pool.map(np.sum, src_parts)))
+            copy_s = best(lambda: list(pool.map(np.copyto, dst_parts, src_parts)))
+        matrix, vector = src.reshape(-1, 4096), np.ones(4096, dtype=np.float32)
+        return read_s, copy_s, best(lambda: np.sum(src)), best(lambda: matrix @ vector)
+
+    read_s, copy_s, read_1_s, gemv_s = bandwidth_seconds()
 
     g = opts["gemm_n"]
     rng = np.random.default_rng(0)
@@ -144,8 +155,11 @@ def measure_machine(opts: dict) -> dict:
     gemm_s = best(lambda: np.matmul(a, b, out=c))
 
     nbytes = n * 4
-    rates = {"read_gb_s": nbytes / read_s / 1e9, "copy_gb_s": 2 * nbytes / copy_s / 1e9,
-             "gemv_gb_s": nbytes / gemv_s / 1e9}
+    rates = {
+        "read_gb_s": nbytes / read_s / 1e9,
+        "copy_gb_s": 2 * nbytes / copy_s / 1e9,
+        "gemv_gb_s": nbytes / gemv_s / 1e9,
+    }
     out = {
         "threads": threads,
         "bandwidth_bytes": nbytes,
@@ -192,8 +206,13 @@ def measure_minillm(opts: dict) -> dict:
     keep = limit_threads(opts["threads"])
     rss_start = rss_bytes()
     minillm, model, import_s, load_s = _minillm_load(opts)
-    out = {"runtime": "minillm", "import_s": import_s, "load_s": [load_s],
-           "peak_rss_after_load_bytes": peak_rss_bytes(), "rss_before_import_bytes": rss_start}
+    out = {
+        "runtime": "minillm",
+        "import_s": import_s,
+        "load_s": [load_s],
+        "peak_rss_after_load_bytes": peak_rss_bytes(),
+        "rss_before_import_bytes": rss_start,
+    }
     if opts.get("load_only"):
         out.update(process_facts())
         return out
@@ -206,7 +225,7 @@ def measure_minillm(opts: dict) -> dict:
     for length in opts["prompt_lengths"]:
         ids = prompt_ids(length, cfg.vocab_size, opts["seed"])
 
-        def run():
+        def run(length=length, ids=ids):  # bound now: timed() calls it inside this iteration
             cache = minillm.KVCache.for_model(cfg, max_seq_len=length)
             t0 = time.perf_counter()
             minillm.prefill(model, ids, cache)
@@ -228,21 +247,33 @@ def measure_minillm(opts: dict) -> dict:
         # machine's memory bandwidth, which drifts from one minute to the next.
         products += weights_pass_seconds(weights, repeats=20)
 
-    out.update({
-        "prefill": prefill,
-        "decode": {"prompt_tokens": len(ids), "new_tokens": opts["new_tokens"], "seconds": seconds,
-                   "step_ms_median": [1e3 * statistics.median(s) for s in steps]},
-        "weights_pass": {"seconds": products, "bytes": 4 * matmul_parameters(weights)},
-        "model": {"path": str(model.path), "parameters": weights.num_parameters,
-                  "weights_bytes": weights.nbytes, "kv_bytes_per_token": cfg.kv_bytes_per_token(),
-                  "layers": cfg.num_hidden_layers, "d_model": cfg.hidden_size, "vocab": cfg.vocab_size,
-                  "tied_lm_head": cfg.tie_word_embeddings,
-                  "matmul_parameters": matmul_parameters(weights),
-                  "dtypes": sorted({str(a.dtype) for a in weights.arrays()})},
-        "kv_bytes_max": kv_max,
-        "threads": opts["threads"],
-        **process_facts(),
-    })
+    out.update(
+        {
+            "prefill": prefill,
+            "decode": {
+                "prompt_tokens": len(ids),
+                "new_tokens": opts["new_tokens"],
+                "seconds": seconds,
+                "step_ms_median": [1e3 * statistics.median(s) for s in steps],
+            },
+            "weights_pass": {"seconds": products, "bytes": 4 * matmul_parameters(weights)},
+            "model": {
+                "path": str(model.path),
+                "parameters": weights.num_parameters,
+                "weights_bytes": weights.nbytes,
+                "kv_bytes_per_token": cfg.kv_bytes_per_token(),
+                "layers": cfg.num_hidden_layers,
+                "d_model": cfg.hidden_size,
+                "vocab": cfg.vocab_size,
+                "tied_lm_head": cfg.tie_word_embeddings,
+                "matmul_parameters": matmul_parameters(weights),
+                "dtypes": sorted({str(a.dtype) for a in weights.arrays()}),
+            },
+            "kv_bytes_max": kv_max,
+            "threads": opts["threads"],
+            **process_facts(),
+        }
+    )
     del keep
     return out
 
@@ -258,7 +289,7 @@ def weights_pass_seconds(weights, repeats: int) -> list[float]:
     inputs = [np.ones((1, w.shape[1]), dtype=np.float32) for w in matrices]  # [1, in]
 
     def one_pass():
-        for x, w in zip(inputs, matrices):
+        for x, w in zip(inputs, matrices, strict=True):
             linear(x, w)
 
     return timed(one_pass, repeats, warmup=2)
@@ -283,7 +314,7 @@ def measure_minillm_curves(opts: dict) -> dict:
     for length in opts["curve_lengths"]:
         ids = prompt_ids(length, vocab, seed)
 
-        def run():
+        def run(length=length, ids=ids):  # bound now: timed() calls it inside this iteration
             cache = minillm.KVCache.for_model(cfg, max_seq_len=length)
             t0 = time.perf_counter()
             minillm.prefill(model, ids, cache)
@@ -309,8 +340,11 @@ def measure_minillm_curves(opts: dict) -> dict:
     log("curves: decode step vs position, without the cache (full recomputation)")
     without_cache = []
     for ctx in opts["curve_nocache_ctx"]:
-        without_cache.append(statistics.median(timed(
-            lambda ctx=ctx: model.transformer.forward(ids[:ctx], None, last_only=True), repeats)))
+        without_cache.append(
+            statistics.median(
+                timed(lambda ctx=ctx: model.transformer.forward(ids[:ctx], None, last_only=True), repeats)
+            )
+        )
     del keep
     return {
         "runtime": "minillm",
@@ -342,15 +376,25 @@ def measure_torch(opts: dict, attn: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn).eval()
     load_s = time.perf_counter() - t2
     runtime = f"torch-{attn}"
-    out = {"runtime": runtime, "import_s": t1 - t0, "load_s": [load_s],
-           "peak_rss_after_load_bytes": peak_rss_bytes(), "rss_before_import_bytes": rss_start}
+    out = {
+        "runtime": runtime,
+        "import_s": t1 - t0,
+        "load_s": [load_s],
+        "peak_rss_after_load_bytes": peak_rss_bytes(),
+        "rss_before_import_bytes": rss_start,
+    }
     if opts.get("load_only"):
         out.update(process_facts())
         return out
     cfg = model.config
     vocab = cfg.vocab_size
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
-        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) * 4
+    kv_per_token = (
+        2
+        * cfg.num_hidden_layers
+        * cfg.num_key_value_heads
+        * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        * 4
+    )
     kv_max = 0
     log(f"{runtime} loaded in {load_s:.2f} s; prefill")
 
@@ -358,8 +402,11 @@ def measure_torch(opts: dict, attn: str) -> dict:
     with torch.inference_mode():
         for length in opts["prompt_lengths"]:
             ids = torch.from_numpy(prompt_ids(length, vocab, opts["seed"]))[None]  # [1, seq]
-            prefill[str(length)] = {"seconds": timed(lambda: model(input_ids=ids, use_cache=True,
-                                                                     logits_to_keep=1), opts["repeats"])}
+            prefill[str(length)] = {
+                "seconds": timed(
+                    lambda ids=ids: model(input_ids=ids, use_cache=True, logits_to_keep=1), opts["repeats"]
+                )
+            }
             kv_max = max(kv_max, length * kv_per_token)
         log(f"{runtime} decode")
 
@@ -378,10 +425,16 @@ def measure_torch(opts: dict, attn: str) -> dict:
 
         def generate(n):
             stamp = Stamp()
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, num_beams=1,
-                           logits_processor=LogitsProcessorList([stamp]),
-                           pad_token_id=cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 0)
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                num_beams=1,
+                logits_processor=LogitsProcessorList([stamp]),
+                pad_token_id=cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 0,
+            )
             assert len(stamp.stamps) == n, (len(stamp.stamps), n)
             return stamp.stamps
 
@@ -394,19 +447,33 @@ def measure_torch(opts: dict, attn: str) -> dict:
         kv_max = max(kv_max, (ids.shape[1] + new) * kv_per_token)
 
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    out.update({
-        "prefill": prefill,
-        "decode": {"prompt_tokens": int(ids.shape[1]), "new_tokens": new, "seconds": seconds,
-                   "step_ms_median": [1e3 * float(np.median(s)) for s in steps]},
-        "model": {"path": str(folder), "parameters": sum(p.numel() for p in model.parameters()),
-                  "weights_bytes": weights_bytes, "kv_bytes_per_token": kv_per_token},
-        "kv_bytes_max": kv_max,
-        "threads": torch.get_num_threads(),
-        "torch": {"version": torch.__version__, "transformers": transformers.__version__,
-                  "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                  "mkldnn": torch.backends.mkldnn.is_available(), "mkl": torch.backends.mkl.is_available()},
-        **process_facts(),
-    })
+    out.update(
+        {
+            "prefill": prefill,
+            "decode": {
+                "prompt_tokens": int(ids.shape[1]),
+                "new_tokens": new,
+                "seconds": seconds,
+                "step_ms_median": [1e3 * float(np.median(s)) for s in steps],
+            },
+            "model": {
+                "path": str(folder),
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "weights_bytes": weights_bytes,
+                "kv_bytes_per_token": kv_per_token,
+            },
+            "kv_bytes_max": kv_max,
+            "threads": torch.get_num_threads(),
+            "torch": {
+                "version": torch.__version__,
+                "transformers": transformers.__version__,
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "mkldnn": torch.backends.mkldnn.is_available(),
+                "mkl": torch.backends.mkl.is_available(),
+            },
+            **process_facts(),
+        }
+    )
     del keep
     return out
 
@@ -448,8 +515,12 @@ def measure(name: str, opts: dict) -> dict:
     wall1, busy1, own1 = _cpu_snapshot()
     cores = os.cpu_count() or 1
     others = max(0.0, (busy1 - busy0) - (own1 - own0))
-    result["contention"] = {"seconds": wall1 - wall0, "own_cpu_s": own1 - own0, "others_cpu_s": others,
-                            "others_cpu_share": others / ((wall1 - wall0) * cores)}
+    result["contention"] = {
+        "seconds": wall1 - wall0,
+        "own_cpu_s": own1 - own0,
+        "others_cpu_s": others,
+        "others_cpu_share": others / ((wall1 - wall0) * cores),
+    }
     return result
 
 

@@ -56,8 +56,8 @@ def test_a_cycle_between_siblings_breaks_the_contract(tmp_path):
     assert "No import cycles between sibling modules BROKEN" in run.stdout
 
 
-def test_ruff_is_clean_on_the_package():
+def test_ruff_is_clean_on_the_package_and_benchmarks():
     for args in (["check"], ["format", "--check"]):
-        run = subprocess.run([sys.executable, "-m", "ruff", *args, "minillm"], cwd=ROOT, capture_output=True,
+        run = subprocess.run([sys.executable, "-m", "ruff", *args, "minillm", "benchmarks"], cwd=ROOT, capture_output=True,
                              text=True, timeout=120)
         assert run.returncode == 0, run.stdout + run.stderr
