@@ -110,3 +110,12 @@ def test_a_process_tree_over_budget_fails_though_each_process_is_under(tmp_path)
     assert peak["tree"] >= 600 * MB, peak  # both at once: 300 MB + 300 MB + two interpreters
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "test_parent_and_live_child_together: the process tree peaked at" in proc.stdout
+
+
+def test_the_readme_states_the_budgets_the_run_enforces():
+    """The README's memory needs name the budgets this plugin enforces (its defaults)."""
+    from rss_budget import DEFAULT_BUDGET_GB, DEFAULT_TREE_BUDGET_GB
+
+    text = " ".join((TESTS.parent / "README.md").read_text(encoding="utf-8").split())
+    assert (DEFAULT_BUDGET_GB, DEFAULT_TREE_BUDGET_GB) == (3.0, 4.5)
+    assert "The run fails when one process passes 3 GB or the tree 4.5 GB" in text
