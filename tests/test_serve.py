@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import run_bench
 from prometheus_client.parser import text_string_to_metric_families
 
 import minillm
@@ -553,33 +554,8 @@ def test_bench_ttft_matches_the_server_histogram(server, tmp_path):
     url, _ = server
     out = tmp_path / "bench.json"
     before = metrics(url)
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "minillm",
-            "bench",
-            "--url",
-            url,
-            "--model",
-            MODEL,
-            "--concurrency",
-            "1",
-            "--requests",
-            "8",
-            "--prompt-tokens",
-            "256",  # prefill dominates the TTFT, so the HTTP hop (the same at any length) is a small part
-            "--max-tokens",
-            "4",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "COLUMNS": "160"},
-    )
+    # 256 prompt tokens: prefill dominates the TTFT, so the HTTP hop (the same at any length) is a small part
+    run = run_bench(url, MODEL, out, concurrency="1", requests=8, prompt_tokens=256, max_tokens=4)
     after = metrics(url)
     assert run.returncode == 0, run.stderr
     assert "TTFT" in run.stdout and str(out) in run.stdout
