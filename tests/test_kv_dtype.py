@@ -18,16 +18,10 @@ import numpy as np
 import pytest
 
 import minillm
+from benchmarks.precision import PROMPTS  # the 5 fixed prompts of the benchmark and lesson 12
 from minillm.errors import InvalidRequestError
 from tests.test_cli_documents import events, run_cli
 
-PROMPTS = (
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "The three primary colors are",
-    "To make a cup of tea, first",
-)
 INT8_FLIPS = {"To make a cup of tea, first": 1}  # measured: prompt -> index of the first differing token
 
 

@@ -17,19 +17,12 @@ import numpy as np
 import pytest
 
 import minillm
-from benchmarks.precision import compare_over_text, first_difference, greedy, measure_resident
+from benchmarks.precision import PROMPTS, compare_over_text, first_difference, greedy, measure_resident
 from minillm.errors import InvalidRequestError, WeightsError
 from minillm.model.held import BlockMatrix
 from minillm.sources.hub import resolve_gguf
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
-PROMPTS = (
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "The three primary colors are",
-    "To make a cup of tea, first",
-)
 
 
 @pytest.fixture(scope="module")
