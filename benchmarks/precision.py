@@ -48,7 +48,8 @@ PROMPTS = (
     "The three primary colors are",
     "To make a cup of tea, first",
 )
-CHUNK = 128  # positions per forward when scoring a long text: Gemma's logits are 1 MiB per position
+CHUNK = 128  # positions per forward when scoring a long text, at most (see chunk_positions)
+CHUNK_LOGIT_BYTES = 32 << 20  # and at most 32 MiB of float32 logits: Gemma's vocabulary is 262,144 wide
 
 
 def rss_bytes() -> int:
@@ -99,8 +100,15 @@ def chunked_logits(model, ids: np.ndarray, kv_dtype: str = "float32"):
     import minillm
 
     cache = minillm.KVCache.for_model(model.config, max_seq_len=len(ids), dtype=kv_dtype)
-    for start in range(0, len(ids), CHUNK):
-        yield start, model.transformer.forward(ids[start : start + CHUNK], cache)
+    step = chunk_positions(model.config.vocab_size)
+    for start in range(0, len(ids), step):
+        yield start, model.transformer.forward(ids[start : start + step], cache)
+
+
+def chunk_positions(vocab_size: int) -> int:
+    """Positions per forward when scoring: ``CHUNK``, fewer where a chunk's float32 logits would pass
+    ``CHUNK_LOGIT_BYTES`` (the scoring holds several float64 copies of them): SmolLM2 128, Gemma 3 32."""
+    return max(1, min(CHUNK, CHUNK_LOGIT_BYTES // (4 * vocab_size)))
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
