@@ -252,6 +252,9 @@ def dequantize(data: np.ndarray, type_name: str) -> np.ndarray:
 
 
 # --- int8, symmetric, per output channel ------------------------------------------------------------
+QUANTIZE_ROWS_VALUES = 1 << 22  # values quantized at a time (16 MiB of float32 temporaries)
+
+
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``w`` float32 ``[rows, cols]`` -> (``q`` int8 ``[rows, cols]``, ``scale`` float32 ``[rows]``).
 
@@ -260,9 +263,14 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     so an output's dot product is ``scale * (q_row . x)``.
     """
     w = np.asarray(w, dtype=np.float32)
-    amax = np.max(np.abs(w), axis=1)  # [rows]
-    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-    q = np.rint(w / scale[:, None]).astype(np.int8)  # |w / scale| <= 127: no clipping needed
+    q = np.empty(w.shape, dtype=np.int8)
+    scale = np.empty(w.shape[0], dtype=np.float32)
+    step = max(1, QUANTIZE_ROWS_VALUES // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], step):  # in row blocks: no float32 temporary the size of the matrix
+        rows = w[start : start + step]
+        amax = np.max(np.abs(rows), axis=1)  # [rows]
+        scale[start : start + step] = np.where(amax > 0, amax / np.float32(127), np.float32(1))
+        q[start : start + step] = np.rint(rows / scale[start : start + step, None])  # |w / scale| <= 127
     return q, scale
 
 
