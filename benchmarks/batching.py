@@ -268,7 +268,7 @@ def run(args) -> dict:
         f"{b.get('internal_api')} {b.get('version')} kernel {b.get('architecture')}, {b.get('num_threads')} threads"
         for b in workers.blas_info()
     ]
-    print(f"  BLAS: {'; '.join(blas)}; few-rows plan: {products.PLAN.get(products.blas_kernel(), 'plain')}", flush=True)
+    print(f"  BLAS: {'; '.join(blas)}; few-rows plan: {products.plan() or 'plain'}", flush=True)
     machine = workers.measure_machine(
         {
             "threads": args.threads,

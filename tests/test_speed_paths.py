@@ -38,21 +38,30 @@ def test_every_formulation_is_the_product(name, rows):
         assert np.abs(got - want).max() < 1e-4, (name, rows, out_dim, in_dim)
 
 
-def test_the_plan_per_kernel_is_the_measured_table():
-    # Written by hand from the table in products.py's docstring (one thread, SmolLM2's products).
+def test_the_plan_per_kernel_and_threads_is_the_measured_table():
+    # Written by hand from the table in products.py's docstring (SmolLM2's products, 1 and 2 threads).
     expected = {
-        "SkylakeX": {1: "plain", 2: "sliced", 8: "sliced", 9: "left", 32: "left", 64: "left", 65: "plain"},
-        "Haswell": {1: "plain", 2: "sliced_gemv", 3: "plain", 8: "plain", 64: "plain"},
-        "Zen": {2: "plain", 8: "plain"},  # a kernel never measured keeps NumPy's own product
-        "": {2: "plain"},  # no OpenBLAS (threadpoolctl reports no architecture)
+        ("SkylakeX", 1): {1: "plain", 2: "sliced", 8: "sliced", 9: "left", 32: "left", 64: "left", 65: "plain"},
+        ("SkylakeX", 2): {1: "plain", 2: "sliced", 4: "sliced", 5: "left", 8: "left", 64: "left", 65: "plain"},
+        ("SkylakeX", 8): {4: "sliced", 5: "left"},  # more threads than measured: the most measured
+        ("Haswell", 1): {1: "plain", 2: "sliced_gemv", 4: "sliced_gemv", 5: "plain", 64: "plain"},
+        ("Haswell", 2): {2: "sliced_gemv", 3: "plain", 8: "plain", 64: "plain"},
+        ("Zen", 1): {2: "plain", 8: "plain"},  # a kernel never measured keeps NumPy's own product
+        ("", 2): {2: "plain"},  # no OpenBLAS (threadpoolctl reports no architecture)
     }
-    for kernel, by_rows in expected.items():
-        assert {rows: products.formulation(rows, kernel) for rows in by_rows} == by_rows, kernel
-    # This process's kernel is the one threadpoolctl reports, asked once (cached).
-    from threadpoolctl import threadpool_info
+    for (kernel, threads), by_rows in expected.items():
+        got = {rows: products.formulation(rows, kernel, threads) for rows in by_rows}
+        assert got == by_rows, (kernel, threads)
+    # This process's kernel and thread count are the ones threadpoolctl reports; the thread count
+    # is read at each product, so threadpool_limits changes the plan.
+    from threadpoolctl import threadpool_info, threadpool_limits
 
     blas = [lib for lib in threadpool_info() if lib["user_api"] == "blas"]
     assert products.blas_kernel() == str(blas[0].get("architecture") or "")
+    for threads in (1, 2):
+        with threadpool_limits(threads, "blas"):
+            assert products.blas_threads() == threads
+            assert products.formulation(8) == products.formulation(8, products.blas_kernel(), threads)
 
 
 def test_linear_takes_the_plan_only_inside_a_batched_pass(monkeypatch):

@@ -113,7 +113,7 @@ class DecodeRows:
         n_kv, _, hd = pooled.shape
         g, n_blocks = self.tables.shape
         blocks = pooled.reshape(n_kv, self.pool.num_blocks, -1)  # [n_kv_heads, num_blocks, block_size * hd], a view
-        gathered = blocks[:, self.tables]  # [n_kv_heads, g, blocks, block_size * head_dim]: one copy
+        gathered = np.take(blocks, self.tables, axis=1)  # [n_kv_heads, g, blocks, block_size * head_dim]: one copy
         return gathered.reshape(n_kv, g, -1, hd).transpose(1, 0, 2, 3)  # [g, n_kv_heads, ctx, head_dim], a view
 
 

@@ -12,22 +12,29 @@ lesson 11 measure it again). Four formulations, each giving ``[rows, out]``:
                                                    while every row passes over it
     sliced_gemv  w[s] @ x[r] per slice s, row r    matrix-vector products on a cached slice
 
-Measured here (AMD EPYC, AVX-512, OpenBLAS 0.3.31, one thread, a shared machine at load ~3; all
-products of a SmolLM2 decode step, best of 4, ms; one row: ~17-20 ms either kernel; sliced_gemv
-with 512 KiB slices, the default 256 KiB measured 27-30 ms at 2 rows in ``benchmarks/batching.py``)::
+Measured here (AMD EPYC, AVX-512, OpenBLAS 0.3.31, a quiet machine; all products of a SmolLM2
+decode step, best of 3, ms, ``benchmarks/batching.products_alone``; one row: 17-18 ms with one
+thread, 12 ms with two, either kernel)::
 
-    kernel    rows:   2      4      8     16     32     64
-    SkylakeX  plain   76     77     83     99    119    148
-              sliced  24     31     41    103    129    170
-              left    48     53     62     65     86    128
-    Haswell   plain   42     39     46     70    112    182
-        sliced_gemv   29     42     66    115    203    397
+    kernel    threads  rows:  2      3      4      8     16     32     64
+    SkylakeX     1     plain   69     81     74     76     87    107    139
+                       sliced  23     28     29     41     98    125    166
+                       left    46     56     48     58     58     80    123
+                 2     plain   42     43     41     42     47     55     73
+                       sliced  22     28     28     41     71     83    104
+                       left    29     34     29     33     34     46     72
+    Haswell      1     plain   43     56     48     58     72    112    182
+                  sliced_gemv  28     34     41      -      -      -      -
+                 2     plain   32     35     35     30     36     54     89
+                  sliced_gemv  27     35     42      -      -      -      -
 
-So the plan (:data:`PLAN`) is per kernel, from threadpoolctl's reported architecture, decided once:
-SkylakeX takes ``sliced`` up to 8 rows and ``left`` above; Haswell ``sliced_gemv`` for 2 rows and
-the plain product above; a kernel not measured keeps the plain product (never slower than NumPy's
-default by our choice). Every formulation gives the same sums in another order: float32 rounding
-apart, the same numbers (tested against the plain product and transformers).
+So the plan (:data:`PLAN`) is per kernel (threadpoolctl's reported architecture, asked once) and
+per BLAS thread count (asked at each product: ``threadpool_limits`` may change it): SkylakeX takes
+``sliced`` up to 8 rows with one thread, up to 4 with two (a second thread speeds the general
+product more than the cached slices), and ``left`` above; Haswell ``sliced_gemv`` up to 4 rows with
+one thread, 2 with two, and the plain product above; a kernel not measured keeps the plain product
+(never slower than NumPy's default by our choice). Every formulation gives the same sums in another
+order: float32 rounding apart, the same numbers (tested against the plain product and transformers).
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ FEW_ROWS = 64
 #: Bytes of weight rows per slice in ``sliced`` and ``sliced_gemv``: a slice stays in the L2 cache
 #: (2 MiB per core here) while every row uses it.
 SLICE_BYTES = 256 * 1024
+#: Weight rows per slice in ``left`` for tall matrices (the LM head): a ``[4096, 64]`` float32 result is 1 MiB.
+LEFT_SLICE_ROWS = 4096
 
 
 def plain(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -51,8 +60,21 @@ def plain(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def left(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``(w @ x.T).T`` as a C-contiguous ``[rows, out]``: the weight is the left operand, the rows the
-    narrow right one (OpenBLAS's SkylakeX kernel packs this shape better for 9 to 64 rows)."""
-    return np.ascontiguousarray((w @ np.ascontiguousarray(x.T)).T)  # [out, rows] -> [rows, out]
+    narrow right one (OpenBLAS's SkylakeX kernel packs this shape better for 9 to 64 rows). Done
+    :data:`LEFT_SLICE_ROWS` weight rows at a time, so each ``[slice, rows]`` result is turned into its
+    ``[rows, slice]`` columns while it is still in cache (the LM head's ``[49152, 32]`` transposed at
+    once reads the whole 6 MB result once per row: 18.3 -> 15.0 ms at 32 rows, one thread)."""
+    x_t = np.ascontiguousarray(x.T)  # [in, rows]
+    out_dim, rows = w.shape[0], x.shape[0]
+    if out_dim <= LEFT_SLICE_ROWS:
+        return np.ascontiguousarray((w @ x_t).T)  # [out, rows] -> [rows, out]
+    y = np.empty((rows, out_dim), dtype=np.result_type(x, w))  # [rows, out]
+    part = np.empty((LEFT_SLICE_ROWS, rows), dtype=y.dtype)  # [slice, rows], reused
+    for s in range(0, out_dim, LEFT_SLICE_ROWS):
+        n = min(LEFT_SLICE_ROWS, out_dim - s)
+        np.matmul(w[s : s + n], x_t, out=part[:n])  # [slice, in] @ [in, rows]
+        y[:, s : s + n] = part[:n].T
+    return y
 
 
 def _slice_rows(w: np.ndarray) -> int:
@@ -90,32 +112,52 @@ FORMULATIONS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "sliced": sliced,
     "sliced_gemv": sliced_gemv,
 }
-#: BLAS kernel (threadpoolctl's ``architecture``) -> ((up to this many rows, formulation), ...);
-#: rows beyond the last entry, and kernels not listed, take ``plain``. Measured: module docstring.
-PLAN: dict[str, tuple[tuple[int, str], ...]] = {
-    "SkylakeX": ((8, "sliced"), (FEW_ROWS, "left")),
-    "Haswell": ((2, "sliced_gemv"),),
+#: BLAS kernel (threadpoolctl's ``architecture``) -> BLAS threads -> ((up to this many rows,
+#: formulation), ...); rows beyond the last entry, and kernels not listed, take ``plain``; more
+#: threads than listed take the entry of the most threads listed. Measured: module docstring.
+PLAN: dict[str, dict[int, tuple[tuple[int, str], ...]]] = {
+    "SkylakeX": {1: ((8, "sliced"), (FEW_ROWS, "left")), 2: ((4, "sliced"), (FEW_ROWS, "left"))},
+    "Haswell": {1: ((4, "sliced_gemv"),), 2: ((2, "sliced_gemv"),)},
 }
 
 
 @functools.cache
+def _blas():
+    """threadpoolctl's controller of NumPy's BLAS, or None when it reports none (another BLAS)."""
+    from threadpoolctl import ThreadpoolController  # a dependency of minillm; imported on first use only
+
+    found = ThreadpoolController().select(user_api="blas").lib_controllers
+    return found[0] if found else None
+
+
 def blas_kernel() -> str:
     """The BLAS kernel NumPy's OpenBLAS runs (``"SkylakeX"``, ``"Haswell"``, ...), or ``""`` when
-    threadpoolctl does not report one (another BLAS). Fixed when NumPy loads: asked once."""
-    from threadpoolctl import threadpool_info  # a dependency of minillm; imported on first use only
-
-    for lib in threadpool_info():
-        if lib.get("user_api") == "blas":
-            return str(lib.get("architecture") or "")
-    return ""
+    threadpoolctl does not report one (another BLAS). Fixed when NumPy loads."""
+    blas = _blas()
+    return str(getattr(blas, "architecture", "") or "") if blas is not None else ""
 
 
-def formulation(rows: int, kernel: str | None = None) -> str:
-    """The formulation :func:`few_rows_product` uses for ``rows`` rows under ``kernel`` (default:
-    this process's, :func:`blas_kernel`). One row is always ``plain``: a matrix-vector product."""
+def blas_threads() -> int:
+    """BLAS threads now (``threadpool_limits`` changes them; a C call, well under a microsecond)."""
+    blas = _blas()
+    return int(blas.get_num_threads()) if blas is not None else 1
+
+
+def plan(kernel: str | None = None, threads: int | None = None) -> tuple[tuple[int, str], ...]:
+    """:data:`PLAN`'s entry for ``kernel`` and ``threads`` (default: this process's, now)."""
+    by_threads = PLAN.get(blas_kernel() if kernel is None else kernel, {})
+    threads = blas_threads() if threads is None else threads
+    listed = [t for t in by_threads if t <= threads] or sorted(by_threads)[:1]
+    return by_threads[max(listed)] if listed else ()
+
+
+def formulation(rows: int, kernel: str | None = None, threads: int | None = None) -> str:
+    """The formulation :func:`few_rows_product` uses for ``rows`` rows under ``kernel`` with
+    ``threads`` BLAS threads (default: this process's, now). One row is always ``plain``: a
+    matrix-vector product."""
     if rows < 2:
         return "plain"
-    for up_to, name in PLAN.get(blas_kernel() if kernel is None else kernel, ()):
+    for up_to, name in plan(kernel, threads):
         if rows <= up_to:
             return name
     return "plain"
@@ -123,6 +165,6 @@ def formulation(rows: int, kernel: str | None = None) -> str:
 
 def few_rows_product(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``x @ w.T`` (``x`` ``[rows, in]``, ``w`` ``[out, in]`` -> ``[rows, out]``, float32) in the
-    formulation :data:`PLAN` names for this BLAS kernel and row count. The same numbers as the plain
+    formulation :data:`PLAN` names for this BLAS kernel, thread count and row count. The same numbers as the plain
     product up to float32 rounding (the sums run in another order)."""
     return FORMULATIONS[formulation(x.shape[0])](x, w)
