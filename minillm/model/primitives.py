@@ -247,8 +247,8 @@ def attention_in_chunks(
     - the mask is added to the chunk's own ``[rows, rows]`` tile only when every key before the
       chunk is visible to all its rows (a causal mask; under a sliding window whose edge reaches
       into the chunk, the whole row of keys takes the mask as before);
-    - the weights' row sums come out of the same product as ``z``: a column of ones beside ``v``
-      (``[exp(s) @ v | exp(s) @ 1]``), instead of a reduction over the scores;
+    - the weights' row sums are a matrix-vector product, ``exp(s) @ 1`` (BLAS: ~25 us for
+      ``[3, 384, 512]``, where ``np.sum`` over the last axis takes ~100 us);
     - the division by that sum is applied to ``z`` (``head_dim`` values a row) instead of to the
       weights (``ctx`` values a row): ``softmax(s) @ v = (exp(s) @ v) / sum(exp(s))``.
 
@@ -259,9 +259,7 @@ def attention_in_chunks(
     n_kv_heads, ctx = k.shape[-3], k.shape[-2]
     group = n_heads // n_kv_heads
     offset = mask.shape[-1] - seq  # positions cached before this call
-    v_ones = np.empty((n_kv_heads, ctx, head_dim + 1), dtype=np.float32)  # [n_kv_heads, ctx, head_dim + 1]
-    v_ones[..., :head_dim] = v
-    v_ones[..., head_dim] = 1.0  # the ones column: its output is each row's sum of weights
+    ones = np.ones(ctx, dtype=np.float32)  # [ctx]: exp(scores) @ ones is each row's sum of weights
     q = (q * np.float32(scale)).reshape(n_kv_heads, group, seq, head_dim)  # scale the smaller side
     z = np.empty((n_kv_heads, group, seq, head_dim), dtype=np.float32)
     for a in range(0, seq, chunk):
@@ -275,8 +273,9 @@ def attention_in_chunks(
         scores.reshape(n_kv_heads, group, b - a, end)[..., tile:] += mask[a:b, tile:end]
         scores -= np.max(scores, axis=-1, keepdims=True)  # in place, as softmax does
         np.exp(scores, out=scores)
-        weighted = (scores @ v_ones[:, :end]).reshape(n_kv_heads, group, b - a, head_dim + 1)
-        np.divide(weighted[..., :head_dim], weighted[..., head_dim:], out=z[:, :, a:b])
+        weighted = (scores @ v[:, :end]).reshape(n_kv_heads, group, b - a, head_dim)  # unnormalised z
+        total = (scores @ ones[:end]).reshape(n_kv_heads, group, b - a, 1)  # [kv, group, rows, 1]
+        np.divide(weighted, total, out=z[:, :, a:b])
     return z.reshape(n_heads, seq, head_dim)
 
 
