@@ -241,7 +241,7 @@ def attention_in_chunks(
     sees a key after its own position: the chunk of rows ``a..b-1`` needs keys ``0..offset+b-1``
     only, so the masked upper triangle is never computed (about half the score and value FLOPs of
     a 512-token prefill with 4 chunks: 5/8 of the square) and each chunk's scores stay in cache.
-    Three passes over the scores are saved the way FlashAttention saves them (Dao et al. 2022, the
+    The work on the scores is cut the way FlashAttention cuts it (Dao et al. 2022, the deferred
     "rescaling" of section 3.1), without its tiling of the keys:
 
     - the mask is added to the chunk's own ``[rows, rows]`` tile only when every key before the
