@@ -29,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import minillm
+from minillm.runtime.loading import run_warmup
 from minillm.runtime.scheduler import BatchRequest, Scheduler
 
 from .metrics import ServerMetrics
@@ -168,12 +169,14 @@ class Worker:
         try:
             tracer = self._tracer()
             self.model = minillm.load(
-                self.model_name, tracer=tracer, warmup=self.warmup, threads=self.threads, progress=False
+                self.model_name, tracer=tracer, warmup=False, threads=self.threads, progress=False
             )
+            self.pool = minillm.KVCachePool.for_model(self.model.config, self.kv_cache_mib, self.block_size)
+            if self.warmup:  # through the pool requests will use: its memory is mapped on first write
+                run_warmup(self.model, tracer=tracer, pool=self.pool)
         except Exception as exc:  # noqa: BLE001 - reported by /health (503) rather than killing the server
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
             return
-        self.pool = minillm.KVCachePool.for_model(self.model.config, self.kv_cache_mib, self.block_size)
         self.scheduler = Scheduler(
             self.model, self.pool, max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs
         )
