@@ -146,6 +146,7 @@ def load(model, seconds: dict[str, float], others_cpu_share: float = float("nan"
         weights={
             "parameters": weights.num_parameters,
             "bytes_loaded": weights.nbytes,
+            "held": {fmt: list(pb) for fmt, pb in weights.formats().items()},  # format -> [parameters, bytes]
             "mapped": weights.mapped,
             "stored": dict(weights.stored_dtypes),
             "bytes_stored": dict(weights.stored_bytes),

@@ -87,7 +87,7 @@ class Renderer:
         how = "memory-mapped, paged in on first use" if w.get("mapped") else "in memory"
         rows = [
             ("parameters", f"{w['parameters']:,}"),
-            ("as loaded", f"float32, {format_bytes(w['bytes_loaded'])}, {how}"),
+            ("held as", f"{_held(w)}, {how}"),
         ]
         rows += [(f"stored {k}", f"{n:,} params, {format_bytes(w['bytes_stored'][k])}") for k, n in w["stored"].items()]
         if w.get("seconds"):
@@ -363,3 +363,11 @@ class Renderer:
 
 def _seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _held(w: dict) -> str:
+    """The weights as held in memory, by format: ``float32 513.1 MiB``, or for ``weight_dtype="int8"``
+    ``int8 103.9 MiB + float32 25.3 MiB = 129.2 MiB`` (norms, and what the format leaves float32)."""
+    held = w.get("held") or {"float32": [w["parameters"], w["bytes_loaded"]]}
+    parts = [f"{fmt} {format_bytes(nbytes)}" for fmt, (_, nbytes) in sorted(held.items(), key=lambda kv: -kv[1][1])]
+    return parts[0] if len(parts) == 1 else " + ".join(parts) + f" = {format_bytes(w['bytes_loaded'])}"
