@@ -50,6 +50,17 @@ def test_each_phase_is_a_finding_just_above_twice_its_expectation():
     assert d.findings[1][2] == TABLE["decode"][1]
 
 
+def test_a_slow_decode_with_packed_weights_points_to_the_unpacking_not_to_a_smaller_dtype():
+    # TPOT 0.136 s against 0.016 s expected (8.5x), weights held as Q4_1 and Q8_0 (weight_dtype="gguf"):
+    # the user already chose fewer bytes; what is slow is unpacking them to float32 for each product.
+    d = diagnose(metrics(steps=(0.136,) * 16), expected=EXPECTED, held_formats=("Q4_1", "Q8_0"))
+    assert [f[0] for f in d.findings] == ["decode"]
+    assert d.findings[0][2].startswith("decode: the weights are held as Q4_1, Q8_0 and each product unpacks")
+    assert "smaller dtype" not in d.findings[0][2]
+    plain = diagnose(metrics(steps=(0.136,) * 16), expected=EXPECTED)  # float32: the table's advice
+    assert plain.findings[0][2] == TABLE["decode"][1]
+
+
 def test_a_long_prompt_is_measured_against_a_one_token_prompt():
     # 1,500 tokens: TTFT 3.0 s; it should take 2.5 s for this length (1.2x: prefill is not slow), but a
     # one-token prompt's first token should come after 0.04 s: the prompt's length made it wait 75x

@@ -347,6 +347,8 @@ def summary(
     against what it should take on this machine."""
     expected, calibration = expectations(model, metrics)
     history = list(model.history) + [metrics.rates()]  # this request is added after the summary
+    weights = model.transformer.weights
+    formats = weights.formats() if hasattr(weights, "formats") else {}  # stand-in models have none
     diagnosis = diagnose(
         metrics,
         expected=expected,
@@ -361,6 +363,7 @@ def summary(
         blas_threads=blas_threads(),
         others_cpu_share=others_cpu_share,
         load_others_cpu_share=load_others_cpu_share,
+        held_formats=tuple(f for f in formats if f != "float32"),
     )
     params = model.transformer.weights.num_parameters
     return dict(
@@ -371,9 +374,7 @@ def summary(
         load_others_cpu_share=load_others_cpu_share,
         parameters=params,
         weight_bytes=weight_memory_table(params),
-        weights_held=held_weight_table(model.transformer.weights.formats())
-        if hasattr(model.transformer.weights, "formats")
-        else {},
+        weights_held=held_weight_table(formats) if formats else {},
         kv_bytes=kv_memory_table(model.config),
         context=model.config.max_position_embeddings,
         calibration=calibration,

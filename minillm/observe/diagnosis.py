@@ -171,6 +171,15 @@ def first_request_slower(history: list[dict]) -> tuple[str, float] | None:
     return worst if worst is not None and worst[1] > THRESHOLD else None
 
 
+def unpacking(phase: str, held_formats: tuple[str, ...]) -> str:
+    """What a slow ``phase`` points to when the weights are held packed (``held_formats``)."""
+    return (
+        f"{phase}: the weights are held as {', '.join(held_formats)} and each product unpacks its matrix to "
+        "float32 first (NumPy has no low-bit product; lesson 12 measures it); weight_dtype='float32' "
+        "is fastest here, a fused runtime (llama.cpp) reads the packed bytes directly"
+    )
+
+
 def diagnose(
     metrics: RequestMetrics,
     *,
@@ -187,6 +196,7 @@ def diagnose(
     history: list[dict] | None = None,
     cores: int | None = None,
     weight_seconds: dict[str, float] | None = None,
+    held_formats: tuple[str, ...] = (),
 ) -> Diagnosis:
     """Say whether any phase was slow, and what it points to.
 
@@ -215,6 +225,9 @@ def diagnose(
         cores: the machine's cores (default ``os.cpu_count()``).
         weight_seconds: how the weights' load split (``Weights.seconds``: ``read``, ``convert``):
             a slow load says which part was slow.
+        held_formats: the formats other than float32 the weight matrices are held in (``"int8"``,
+            ``"Q4_1"``, ...; ``Weights.formats``). Each product first unpacks such a matrix to float32
+            (``model/held.py``), so a slow decode then points there, not to "a smaller dtype".
 
     Returns:
         :class:`Diagnosis`; no findings when the request was healthy.
@@ -295,12 +308,16 @@ def diagnose(
             (
                 "prefill",
                 f"slow first token for this prompt: {metrics.prompt_tokens:,} tokens" + because(slow["prefill"]),
-                "prefill: slower than this machine manages for this length; a busy machine (others' CPU above), "
+                unpacking("prefill", held_formats)
+                if held_formats
+                else "prefill: slower than this machine manages for this length; a busy machine (others' CPU above), "
                 "BLAS threads, or one-time costs",
             )
         )
     if "decode" in slow:
         symptom, points_to = TABLE["decode"]
+        if held_formats:  # fewer bytes were read, but every product unpacked them first
+            points_to = unpacking("decode", held_formats)
         findings.append(("decode", f"{symptom}: TPOT" + because(slow["decode"]), points_to))
     n = cores or os.cpu_count() or 1
     shares = [others_cpu_share] + ([load_others_cpu_share] if "loading" in slow else [])
