@@ -19,7 +19,7 @@ The rates, each the best of a few runs (the best is the closest to what the hard
   (``posix_fadvise(DONTNEED)``): a cold load;
 - ``tokenizer_b_s``: bytes per second ``tokenizers`` builds a BPE tokenizer from its JSON (a
   synthetic one: 51,000 tokens, 50,000 merges);
-- ``call_s``: one small NumPy matrix product (the per-call overhead a step pays ~20 times per layer).
+- ``call_s``: one small NumPy matrix product (the fixed cost a decoder layer pays ~100 times).
 
 The expectations (:func:`expected_load_s`, :func:`expected_prefill_s`, :func:`expected_tpot_s`)
 are roofline-style sums: bytes / rate + FLOPs / rate + calls x overhead. They are estimates; the
@@ -42,11 +42,19 @@ import numpy as np
 
 from minillm.observe.metrics import blas_summary, cpu_snapshot, others_cpu_share
 
-SCHEMA = "minillm.calibration/2"
-ROWS = (1, 8, 64)  # rows m of the skinny products measured
+SCHEMA = "minillm.calibration/3"
+#: Rows m of the skinny products measured. 2 and 4 too: under OpenBLAS's Haswell kernel a product
+#: of 2 to 6 rows streams its weight ~4.7x slower than one row, and 8 rows faster than 4 (96 MiB:
+#: 1.6, 7.5, 7.6, 6.7 ms for 1, 2, 4, 8 rows), so 1 and 8 alone made a 5-token prefill's
+#: expectation half of what it takes.
+ROWS = (1, 2, 4, 8, 64)
 K = 1024  # their inner dimension
 WEIGHT_BYTES = 96 << 20  # the matrix they stream
-CALLS_PER_LAYER = 24  # NumPy calls in one decoder layer (norms, projections, RoPE, attention, MLP)
+#: Calls one decoder layer makes in a decode step, each paying about one small NumPy call's fixed
+#: cost: counted with ``sys.setprofile`` on SmolLM2 (47 C functions and 53 Python functions a
+#: layer). With 24, a decode step's expectation left out ~2 ms of 13-15 ms (1.5-1.9x measured: a
+#: healthy request one scheduling hiccup from being called slow).
+CALLS_PER_LAYER = 100
 
 
 @dataclass
@@ -54,7 +62,7 @@ class Machine:
     """Rates measured on this machine (see the module docstring), with what identifies it."""
 
     fingerprint: dict
-    matmul_s_per_byte: dict[str, float]  # {"1": s/byte, "8": ..., "64": ...}
+    matmul_s_per_byte: dict[str, float]  # {"1": s/byte, "2": ..., "64": ...}
     gemm_flop_s: float
     fresh_copy_b_s: float
     disk_read_b_s: float
