@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from minillm.errors import WeightsError
-from minillm.model import primitives
+from minillm.model import primitives, products
 from minillm.model.config import ModelConfig
 from minillm.model.families import CONV1D_FAMILIES, NAME_MAPS, OPTIONAL_PREFIX, MlpKind, NormKind, PositionKind
 from minillm.model.held import HeldMatrix, hold
@@ -85,14 +85,20 @@ class LayerWeights:
         unmerged LoRA adapter on it (each a :class:`~minillm.model.lora.LoraDelta`, adding
         ``[seq, rows]`` to its own output rows).
 
-        A float32 matrix is an array and goes straight to ``primitives.linear``; a matrix held in
+        A float32 matrix is an array and goes straight to ``primitives.linear`` (a prefill's
+        ``gate_up`` under OpenBLAS's SkylakeX kernel as ``products.left``: ``PREFILL_LEFT``); a matrix held in
         another format (``held.py``: bfloat16, int8, GGUF blocks) gives float32 rows chunk by chunk;
         a memory-mapped load (``mmap=True``) keeps the file's separate matrices, one product each.
         """
         weight, bias = _PROJECTIONS[name]
         w, b = getattr(self, weight), getattr(self, bias)
         if isinstance(w, np.ndarray):
-            y = primitives.linear(x, w, b)
+            if products.prefill_formulation(name, x.shape[0]) == "left":  # a prefill's gate_up, SkylakeX
+                y = products.left(x, w)  # [seq, out], column-major
+                if b is not None:
+                    y = y + b
+            else:
+                y = primitives.linear(x, w, b)
         else:
             if isinstance(w, tuple):  # memory-mapped: q, k, v (or gate, up) as the file keeps them
                 y = np.concatenate([primitives.linear(x, part) for part in w], axis=-1)  # [seq, out]
