@@ -268,7 +268,12 @@ def run(args) -> dict:
         f"{b.get('internal_api')} {b.get('version')} kernel {b.get('architecture')}, {b.get('num_threads')} threads"
         for b in workers.blas_info()
     ]
-    print(f"  BLAS: {'; '.join(blas)}; few-rows plan: {products.plan() or 'plain'}", flush=True)
+    left = sorted(products.PREFILL_LEFT.get(products.blas_kernel(), ()))
+    print(
+        f"  BLAS: {'; '.join(blas)}; few-rows plan: {products.plan() or 'plain'}; "
+        f"prefill products as W @ x.T: {', '.join(left) or 'none'}",
+        flush=True,
+    )
     machine = workers.measure_machine(
         {
             "threads": args.threads,
