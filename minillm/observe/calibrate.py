@@ -6,6 +6,10 @@ rates, how long loading, a prefill of ``n`` tokens and one decode step at contex
 take. :func:`measure_machine` measures the rates in a few seconds; :func:`machine` caches them
 under minillm's cache folder, keyed by a fingerprint of the machine (CPU, cores, memory, NumPy,
 BLAS and its threads), so they are measured once per machine (``minillm calibrate`` redoes it).
+A measurement taken while other processes kept half a core or more busy (:attr:`Machine.busy`)
+describes the neighbours as much as the machine: it is used for the request at hand but never kept
+as the machine's, so the next use measures again (``$MINILLM_CALIBRATION`` moves the file: the
+test suite points it at a file of its own, so no test reads a user's cached rates).
 
 The rates, each the best of a few runs (the best is the closest to what the hardware gives):
 
@@ -43,6 +47,9 @@ import numpy as np
 from minillm.observe.metrics import blas_summary, cpu_snapshot, others_cpu_share
 
 SCHEMA = "minillm.calibration/3"
+#: Cores other processes may keep busy while measuring before the rates say more about them than
+#: about this machine (the lessons' rule for asserting a timing: half a core).
+BUSY_CORES = 0.5
 #: Rows m of the skinny products measured. 2 and 4 too: under OpenBLAS's Haswell kernel a product
 #: of 2 to 6 rows streams its weight ~4.7x slower than one row, and 8 rows faster than 4 (96 MiB:
 #: 1.6, 7.5, 7.6, 6.7 ms for 1, 2, 4, 8 rows), so 1 and 8 alone made a 5-token prefill's
@@ -72,6 +79,16 @@ class Machine:
     others_cpu_share: float = float("nan")  # other processes' share of the cores while measuring
     measured_at: str = ""
     extra: dict = field(default_factory=dict)
+
+    @property
+    def others_cores(self) -> float:
+        """How many cores other processes kept busy while measuring (NaN when unknown)."""
+        return self.others_cpu_share * (self.fingerprint.get("cores") or 1)
+
+    @property
+    def busy(self) -> bool:
+        """Measured while other processes kept :data:`BUSY_CORES` or more cores busy: not kept."""
+        return self.others_cores >= BUSY_CORES  # NaN (unknown) compares False
 
     @property
     def bandwidth_b_s(self) -> float:
@@ -259,8 +276,12 @@ def measure_machine(folder: Path | None = None, repeats: int = 3) -> Machine:
 
 
 def calibration_file() -> Path:
+    """Where the rates are cached: ``$MINILLM_CALIBRATION``, else ``calibration.json`` in minillm's
+    cache folder."""
     from minillm.sources.hub import cache_root
 
+    if os.environ.get("MINILLM_CALIBRATION"):
+        return Path(os.environ["MINILLM_CALIBRATION"]).expanduser()
     return cache_root() / "calibration.json"
 
 
@@ -278,9 +299,10 @@ def machine(*, remeasure: bool = False, on_measure=None) -> Machine:
         remeasure: measure even if cached (``minillm calibrate``).
         on_measure: called with no argument just before measuring (to say why there is a pause).
 
-    The cache is ``calibration.json`` in minillm's cache folder, one entry per fingerprint (so
-    runs with 1 and 2 BLAS threads each have theirs); an unreadable or old file is measured over,
-    an unwritable one costs a measurement next time.
+    The cache is :func:`calibration_file`, one entry per fingerprint (so runs with 1 and 2 BLAS
+    threads each have theirs); an unreadable or old file is measured over, an unwritable one costs a
+    measurement next time. A measurement on a busy machine (:attr:`Machine.busy`) is returned but
+    not cached, and a busy entry left by an older version is measured over.
     """
     fp = fingerprint()
     key = fingerprint_key(fp)
@@ -292,10 +314,14 @@ def machine(*, remeasure: bool = False, on_measure=None) -> Machine:
     except (OSError, ValueError):
         cached = {"schema": SCHEMA, "machines": {}}
     if not remeasure and key in cached["machines"]:
-        return Machine(**cached["machines"][key])
+        kept = Machine(**cached["machines"][key])
+        if not kept.busy:
+            return kept
     if on_measure is not None:
         on_measure()
     m = measure_machine()
+    if m.busy:
+        return m  # the neighbours' figures, not this machine's: measured again next time
     cached["machines"][key] = asdict(m)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -328,6 +328,7 @@ def expectations(model, metrics) -> tuple[dict[str, float], dict[str, Any]]:
         "seconds": machine.seconds,
         "file": str(calibrate.calibration_file()),
         "others_cpu_share": machine.others_cpu_share,
+        "busy": machine.busy,
         "bandwidth_gb_s": machine.bandwidth_b_s / 1e9,
         "gemm_gflop_s": machine.gemm_flop_s / 1e9,
     }

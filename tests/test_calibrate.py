@@ -1,0 +1,77 @@
+"""A calibration measured on a busy machine is flagged and never kept as the machine's rates
+(``minillm/observe/calibrate.py``); the test run never reads a user's cached calibration."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from minillm.observe import calibrate
+
+SPIN = "while True: pass"
+
+
+def test_the_run_measures_into_a_file_of_its_own():
+    # conftest points the calibration at a temporary file: no test depends on ~/.cache's figures
+    assert os.environ["MINILLM_CALIBRATION"] == str(calibrate.calibration_file())
+    assert Path.home() not in calibrate.calibration_file().parents
+
+
+def test_calibration_under_spinners_is_flagged_and_not_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINILLM_CALIBRATION", str(tmp_path / "rates.json"))
+    # One spinner per core, so the neighbours fill the machine whatever its size.
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.5)  # the spinners are running before the measurement starts
+        first = calibrate.machine()
+        measured = []
+        second = calibrate.machine(on_measure=lambda: measured.append(True))
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert first.busy and first.others_cores >= calibrate.BUSY_CORES, first.others_cores
+    assert measured == [True] and second.measured_at  # not reused: measured again
+    kept = json.loads((tmp_path / "rates.json").read_text())["machines"] if (tmp_path / "rates.json").exists() else {}
+    assert kept == {}
+
+
+def fake_measurement(others_cpu_share: float) -> calibrate.Machine:
+    return calibrate.Machine(
+        fingerprint=calibrate.fingerprint(), matmul_s_per_byte={"1": 1e-10}, gemm_flop_s=1e11,
+        fresh_copy_b_s=1e9, disk_read_b_s=1e9, tokenizer_b_s=1e8, call_s=1e-6,
+        others_cpu_share=others_cpu_share, measured_at="now",
+    )
+
+
+def test_only_a_quiet_measurement_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINILLM_CALIBRATION", str(tmp_path / "rates.json"))
+    cores = os.cpu_count() or 1
+    quiet, busy = fake_measurement(0.4 / cores), fake_measurement(0.5 / cores)  # 0.4 and 0.5 cores
+    assert not quiet.busy and busy.busy  # the boundary: half a core is busy
+
+    measurements = iter([busy, quiet])
+    monkeypatch.setattr(calibrate, "measure_machine", lambda: next(measurements))
+    assert calibrate.machine() is busy and not (tmp_path / "rates.json").exists()
+    assert calibrate.machine() is quiet  # the busy one was not kept: measured again
+    key = calibrate.fingerprint_key(calibrate.fingerprint())
+    assert json.loads((tmp_path / "rates.json").read_text())["machines"][key]["others_cpu_share"] == quiet.others_cpu_share
+    assert calibrate.machine() == quiet  # now read from the file
+
+
+def test_a_busy_entry_in_the_file_is_measured_over(tmp_path, monkeypatch):
+    # a file written by an older minillm that kept busy measurements
+    monkeypatch.setenv("MINILLM_CALIBRATION", str(tmp_path / "rates.json"))
+    from dataclasses import asdict
+
+    old = fake_measurement(1.0)
+    key = calibrate.fingerprint_key(calibrate.fingerprint())
+    (tmp_path / "rates.json").write_text(json.dumps({"schema": calibrate.SCHEMA, "machines": {key: asdict(old)}}))
+    fresh = replace(fake_measurement(0.0), measured_at="later")
+    monkeypatch.setattr(calibrate, "measure_machine", lambda: fresh)
+    assert calibrate.machine() is fresh
