@@ -17,3 +17,25 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_main_command_runs_the_default_model():
     readme = (ROOT / "README.md").read_text().splitlines()
     assert 'pip install -e . && minillm run "The capital of France is"' in readme
+
+
+def test_readme_lesson_command_keeps_the_output_beside_the_lesson(tmp_path):
+    """The README's `jupyter execute ... --output=...` writes the executed copy and leaves the lesson."""
+    import re
+    import subprocess
+    import sys
+
+    import nbformat
+
+    readme = " ".join((ROOT / "README.md").read_text().split())  # the command wraps over two lines
+    pattern = re.search(r"`jupyter execute notebooks/01_lifecycle\.ipynb --output='([^']+)'` writes "
+                        r"`notebooks/(01_lifecycle[^`]*)`", readme)
+    assert pattern, "the README's lesson command"
+    lesson = tmp_path / "01_lifecycle.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")]), lesson)
+    before = lesson.read_bytes()
+    subprocess.run([sys.executable, "-m", "jupyter", "execute", str(lesson), f"--output={pattern[1]}"],
+                   check=True, capture_output=True, timeout=300)
+    assert lesson.read_bytes() == before
+    out = nbformat.read(tmp_path / pattern[2], as_version=4)
+    assert out.cells[0].outputs[0]["text"] == "42\n"
