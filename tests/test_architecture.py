@@ -3,6 +3,7 @@ ruff's style, run on the package. A forbidden import planted in a copy of the pa
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -61,3 +62,88 @@ def test_ruff_is_clean_on_the_package_and_benchmarks():
         run = subprocess.run([sys.executable, "-m", "ruff", *args, "minillm", "benchmarks"], cwd=ROOT, capture_output=True,
                              text=True, timeout=120)
         assert run.returncode == 0, run.stdout + run.stderr
+
+
+# --- the import graph, every import counted ----------------------------------------------------------
+PACKAGE = ROOT / "minillm"
+
+
+def module_names(top: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py under ``top`` (a package's ``__init__`` is the package)."""
+    names = {}
+    for path in sorted(top.rglob("*.py")):
+        parts = list(path.relative_to(top.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports anywhere in its file: at the top, inside functions and
+    under ``if TYPE_CHECKING:`` alike (``from a import b`` counts ``a.b`` when that is a module, else ``a``)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, one level up per extra dot
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+    found = set()
+    for target in targets:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+    return found
+
+
+def import_cycles(top: Path = PACKAGE) -> list[list[str]]:
+    """Every group of modules that import each other round a loop (Tarjan's strongly connected components)."""
+    modules = module_names(top)
+    graph = {name: sorted(imported_modules(name, path, modules)) for name, path in modules.items()}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_imports_itself_round_a_loop():
+    """No cycle in minillm/ counting every import: under TYPE_CHECKING and inside functions too."""
+    cycles = import_cycles()
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_a_cycle_hidden_in_a_function_or_under_type_checking_is_found(tmp_path):
+    top = tmp_path / "minillm"
+    (top / "text").mkdir(parents=True)
+    for init in (top / "__init__.py", top / "text" / "__init__.py"):
+        init.write_text("")
+    (top / "text" / "a.py").write_text("def f():\n    from . import b\n")
+    (top / "text" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from minillm.text.a import f\n")
+    (top / "text" / "c.py").write_text("import minillm.text.a\n")
+    assert import_cycles(top) == [["minillm.text.a", "minillm.text.b"]]
+
