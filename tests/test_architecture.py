@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,3 +149,53 @@ def test_a_cycle_hidden_in_a_function_or_under_type_checking_is_found(tmp_path):
     (top / "text" / "c.py").write_text("import minillm.text.a\n")
     assert import_cycles(top) == [["minillm.text.a", "minillm.text.b"]]
 
+
+# --- no measured figure in the package's prose -------------------------------------------------------
+#: A number with a unit of time or rate, or a date: what a benchmark measures, not what a docstring states.
+FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,.]*\s?(?:ms|us|µs|GFLOP/s|GFLOPS|GB/s|GiB/s|MB/s|MiB/s|tokens/s|tok/s)(?![\w/])"
+    r"|\b(?:19|20)\d\d-[01]\d-[0-3]\d\b"
+)
+
+
+def prose(path: Path) -> list[tuple[int, str]]:
+    """``(line, text)`` of every comment (tokenize) and docstring or bare string statement (ast) in a file."""
+    source = path.read_text()
+    found = []
+    with path.open("rb") as f:
+        for token in tokenize.tokenize(f.readline):
+            if token.type == tokenize.COMMENT:
+                found.append((token.start[0], token.string))
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            found.extend((node.lineno + n, line) for n, line in enumerate(node.value.value.split("\n")))
+    return found
+
+
+def measured_figures(top: Path = PACKAGE) -> list[str]:
+    """``file:line: figure`` for every measured figure stated in a comment or docstring under ``top``."""
+    return [
+        f"{path.relative_to(top.parent)}:{line}: {match.group(0)}"
+        for path in sorted(top.rglob("*.py"))
+        for line, text in prose(path)
+        for match in FIGURE.finditer(text)
+    ]
+
+
+def test_no_comment_or_docstring_states_a_measured_figure():
+    """A docstring states the rule and names the benchmark that measures it; the figures go stale."""
+    figures = measured_figures()
+    assert not figures, f"{len(figures)} measured figures in minillm/:\n" + "\n".join(figures)
+
+
+def test_a_figure_in_a_comment_or_a_docstring_is_found_and_code_is_not(tmp_path):
+    top = tmp_path / "minillm"
+    top.mkdir()
+    (top / "a.py").write_text(
+        '"""Module.\n\nA step takes 41.5 ms on this machine."""\n\nUNITS = "12 ms"  # 3.2 GB/s measured 2024-05-01\n\n\n'
+        'def f():\n    """Decode at 1,250 tokens/s."""\n    return "5 us"\n'
+    )
+    assert measured_figures(top) == [
+        "minillm/a.py:5: 3.2 GB/s", "minillm/a.py:5: 2024-05-01", "minillm/a.py:3: 41.5 ms",
+        "minillm/a.py:9: 1,250 tokens/s",
+    ]

@@ -112,11 +112,10 @@ class DecodeRows:
     def _gather(self, pooled: np.ndarray) -> np.ndarray:
         """Every row's blocks of one layer's ``pooled`` keys or values ``[n_kv_heads, slots, head_dim]``
         -> ``[g, n_kv_heads, ctx, head_dim]`` (a view of one copy). Whole blocks are copied by the
-        block table, so no per-position slot index is built; the copy itself is bound by memory
-        (32 rows of 80 positions: about 0.1 ms per layer for keys, as many for values). ``np.take``
-        and not ``blocks[:, tables]``: fancy indexing puts the indexed axes first in memory and
-        returns a strided view of that, which the reshape below would copy a second time
-        (32 rows, one step: 11.5 -> 5.2 ms)."""
+        block table, so no per-position slot index is built; the copy itself is bound by memory.
+        ``np.take`` and not ``blocks[:, tables]``: fancy indexing puts the indexed axes first in
+        memory and returns a strided view of that, which the reshape below would copy a second time
+        (the step time of both: ``python -m benchmarks.batching``, README's batching section)."""
         n_kv, _, hd = pooled.shape
         g, n_blocks = self.tables.shape
         blocks = pooled.reshape(n_kv, self.pool.num_blocks, -1)  # [n_kv_heads, num_blocks, block_size * hd], a view

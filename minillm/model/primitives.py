@@ -247,8 +247,8 @@ def attention_in_chunks(
     - the mask is added to the chunk's own ``[rows, rows]`` tile only when every key before the
       chunk is visible to all its rows (a causal mask; under a sliding window whose edge reaches
       into the chunk, the whole row of keys takes the mask as before);
-    - the weights' row sums are a matrix-vector product, ``exp(s) @ 1`` (BLAS: ~25 us for
-      ``[3, 384, 512]``, where ``np.sum`` over the last axis takes ~100 us);
+    - the weights' row sums are a matrix-vector product, ``exp(s) @ 1`` (BLAS sums it faster
+      than ``np.sum`` over the last axis; the prefill is timed by ``python -m benchmarks.speed``);
     - the division by that sum is applied to ``z`` (``head_dim`` values a row) instead of to the
       weights (``ctx`` values a row): ``softmax(s) @ v = (exp(s) @ v) / sum(exp(s))``.
 
