@@ -4,6 +4,7 @@ ruff's style, run on the package. A forbidden import planted in a copy of the pa
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import re
 import shutil
@@ -199,3 +200,34 @@ def test_a_figure_in_a_comment_or_a_docstring_is_found_and_code_is_not(tmp_path)
         "minillm/a.py:5: 3.2 GB/s", "minillm/a.py:5: 2024-05-01", "minillm/a.py:3: 41.5 ms",
         "minillm/a.py:9: 1,250 tokens/s",
     ]
+
+
+# --- docstrings name what exists ---------------------------------------------------------------------
+#: ``observe.render.mask_picture``, ``minillm.model.products.PLAN``: a package module and a name in it.
+REFERENCE = re.compile(r"(?<![\w.])(?:minillm\.)?((?:model|text|runtime|observe|sources|serve)\.\w+)\.(\w+)")
+
+
+def dangling_references_in(text: str) -> list[str]:
+    """The ``subpackage.module.name`` references in ``text`` whose module (imported) has no such name."""
+    modules = module_names()
+    return [
+        m.group(0)
+        for m in REFERENCE.finditer(text)
+        if f"minillm.{m.group(1)}" in modules
+        and not hasattr(importlib.import_module(f"minillm.{m.group(1)}"), m.group(2))
+    ]
+
+
+def test_every_module_a_docstring_points_to_has_the_name_it_points_to():
+    dangling = [
+        f"{path.relative_to(ROOT)}:{line}: {reference}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, text in prose(path)
+        for reference in dangling_references_in(text)
+    ]
+    assert not dangling, "references to names their modules do not have:\n" + "\n".join(dangling)
+
+
+def test_a_reference_to_the_wrong_module_is_found():
+    text = "``observe.describe.mask_picture`` draws it; ``print(observe.render.mask_picture(m))`` cannot"
+    assert dangling_references_in(text) == ["observe.render.mask_picture"]
