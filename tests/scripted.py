@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from minillm.model.config import ModelConfig
+from minillm.model.positions import PositionTables
 from minillm.model.transformer import Transformer
 from minillm.runtime.loading import Model
 from minillm.text.tokenizer import Tokenizer
@@ -28,7 +29,8 @@ def word_tokenizer_folder(path: Path) -> Path:
     ids: 0 <pad>, 1 <eos>, 2 <bos>, 3.. PIECES, fillers, 106 <end_of_turn>. Encoding prepends
     <bos> (a post-processor, like Llama 3 / Gemma). generation_config gives eos_token_id [1, 106].
     """
-    from tokenizers import Tokenizer as Backend, decoders, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, pre_tokenizers, processors
     from tokenizers.models import WordLevel
 
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
@@ -70,7 +72,8 @@ class ScriptedTransformer:
         self.interrupt_at = interrupt_at
         self.calls = 0  # forward calls in the current request
         self.weights = SimpleNamespace(num_parameters=0)  # no real weights: the memory table shows 0
-        self.layer_types = [config.layer_type(i) for i in range(config.num_hidden_layers)]  # as Transformer
+        self.positions = PositionTables(config)  # as Transformer: its masks are the real ones
+        self.layer_types = self.positions.layer_types
         self.fed: list[list[int]] = []  # what each forward call was given
 
     masks = Transformer.masks  # the real masks, from config and layer_types (the trace draws them)

@@ -3,10 +3,14 @@ ruff's style, run on the package. A forbidden import planted in a copy of the pa
 
 from __future__ import annotations
 
+import ast
+import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,3 +65,169 @@ def test_ruff_is_clean_on_the_package_and_benchmarks():
         run = subprocess.run([sys.executable, "-m", "ruff", *args, "minillm", "benchmarks"], cwd=ROOT, capture_output=True,
                              text=True, timeout=120)
         assert run.returncode == 0, run.stdout + run.stderr
+
+
+# --- the import graph, every import counted ----------------------------------------------------------
+PACKAGE = ROOT / "minillm"
+
+
+def module_names(top: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py under ``top`` (a package's ``__init__`` is the package)."""
+    names = {}
+    for path in sorted(top.rglob("*.py")):
+        parts = list(path.relative_to(top.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports anywhere in its file: at the top, inside functions and
+    under ``if TYPE_CHECKING:`` alike (``from a import b`` counts ``a.b`` when that is a module, else ``a``)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, one level up per extra dot
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+    found = set()
+    for target in targets:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+    return found
+
+
+def import_cycles(top: Path = PACKAGE) -> list[list[str]]:
+    """Every group of modules that import each other round a loop (Tarjan's strongly connected components)."""
+    modules = module_names(top)
+    graph = {name: sorted(imported_modules(name, path, modules)) for name, path in modules.items()}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_imports_itself_round_a_loop():
+    """No cycle in minillm/ counting every import: under TYPE_CHECKING and inside functions too."""
+    cycles = import_cycles()
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_a_cycle_hidden_in_a_function_or_under_type_checking_is_found(tmp_path):
+    top = tmp_path / "minillm"
+    (top / "text").mkdir(parents=True)
+    for init in (top / "__init__.py", top / "text" / "__init__.py"):
+        init.write_text("")
+    (top / "text" / "a.py").write_text("def f():\n    from . import b\n")
+    (top / "text" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from minillm.text.a import f\n")
+    (top / "text" / "c.py").write_text("import minillm.text.a\n")
+    assert import_cycles(top) == [["minillm.text.a", "minillm.text.b"]]
+
+
+# --- no measured figure in the package's prose -------------------------------------------------------
+#: A number with a unit of time or rate, or a date: what a benchmark measures, not what a docstring states.
+FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,.]*\s?(?:ms|us|µs|GFLOP/s|GFLOPS|GB/s|GiB/s|MB/s|MiB/s|tokens/s|tok/s)(?![\w/])"
+    r"|\b(?:19|20)\d\d-[01]\d-[0-3]\d\b"
+)
+
+
+def prose(path: Path) -> list[tuple[int, str]]:
+    """``(line, text)`` of every comment (tokenize) and docstring or bare string statement (ast) in a file."""
+    source = path.read_text()
+    found = []
+    with path.open("rb") as f:
+        for token in tokenize.tokenize(f.readline):
+            if token.type == tokenize.COMMENT:
+                found.append((token.start[0], token.string))
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            found.extend((node.lineno + n, line) for n, line in enumerate(node.value.value.split("\n")))
+    return found
+
+
+def measured_figures(top: Path = PACKAGE) -> list[str]:
+    """``file:line: figure`` for every measured figure stated in a comment or docstring under ``top``."""
+    return [
+        f"{path.relative_to(top.parent)}:{line}: {match.group(0)}"
+        for path in sorted(top.rglob("*.py"))
+        for line, text in prose(path)
+        for match in FIGURE.finditer(text)
+    ]
+
+
+def test_no_comment_or_docstring_states_a_measured_figure():
+    """A docstring states the rule and names the benchmark that measures it; the figures go stale."""
+    figures = measured_figures()
+    assert not figures, f"{len(figures)} measured figures in minillm/:\n" + "\n".join(figures)
+
+
+def test_a_figure_in_a_comment_or_a_docstring_is_found_and_code_is_not(tmp_path):
+    top = tmp_path / "minillm"
+    top.mkdir()
+    (top / "a.py").write_text(
+        '"""Module.\n\nA step takes 41.5 ms on this machine."""\n\nUNITS = "12 ms"  # 3.2 GB/s measured 2024-05-01\n\n\n'
+        'def f():\n    """Decode at 1,250 tokens/s."""\n    return "5 us"\n'
+    )
+    assert measured_figures(top) == [
+        "minillm/a.py:5: 3.2 GB/s", "minillm/a.py:5: 2024-05-01", "minillm/a.py:3: 41.5 ms",
+        "minillm/a.py:9: 1,250 tokens/s",
+    ]
+
+
+# --- docstrings name what exists ---------------------------------------------------------------------
+#: ``observe.render.mask_picture``, ``minillm.model.products.PLAN``: a package module and a name in it.
+REFERENCE = re.compile(r"(?<![\w.])(?:minillm\.)?((?:model|text|runtime|observe|sources|serve)\.\w+)\.(\w+)")
+
+
+def dangling_references_in(text: str) -> list[str]:
+    """The ``subpackage.module.name`` references in ``text`` whose module (imported) has no such name."""
+    modules = module_names()
+    return [
+        m.group(0)
+        for m in REFERENCE.finditer(text)
+        if f"minillm.{m.group(1)}" in modules
+        and not hasattr(importlib.import_module(f"minillm.{m.group(1)}"), m.group(2))
+    ]
+
+
+def test_every_module_a_docstring_points_to_has_the_name_it_points_to():
+    dangling = [
+        f"{path.relative_to(ROOT)}:{line}: {reference}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, text in prose(path)
+        for reference in dangling_references_in(text)
+    ]
+    assert not dangling, "references to names their modules do not have:\n" + "\n".join(dangling)
+
+
+def test_a_reference_to_the_wrong_module_is_found():
+    text = "``observe.describe.mask_picture`` draws it; ``print(observe.render.mask_picture(m))`` cannot"
+    assert dangling_references_in(text) == ["observe.render.mask_picture"]

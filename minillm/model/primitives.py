@@ -1,8 +1,11 @@
 """The transformer's math, one small pure function per idea, float32 throughout.
 
-No batch dimension: minillm runs one request, so activations are ``[seq, d_model]`` and attention
-tensors ``[n_heads, seq, head_dim]``. Letters: ``seq`` = positions in this call, ``ctx`` = positions
-in the cache (past + this call), ``vocab``, ``d_model``, ``n_heads``, ``n_kv_heads``, ``head_dim``.
+Activations are ``[seq, d_model]`` and attention tensors ``[n_heads, seq, head_dim]``. A batch of
+requests adds no axis to the projections: ``Transformer.forward_batch`` stacks every sequence's rows
+on ``seq``. Attention alone takes a leading batch axis, in the batched decode step
+(:func:`attention`'s ``[B, n_heads, seq, head_dim]``: one decode row each for ``B`` sequences).
+Letters: ``seq`` = positions in this call, ``ctx`` = positions in the cache (past + this call),
+``vocab``, ``d_model``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``B`` = sequences.
 
 Every family minillm runs is built from these pieces; ``transformer.py`` picks among them with the
 flags in ``ModelConfig`` (RMSNorm or LayerNorm, RoPE or learned positions, gated or plain MLP, ...).
@@ -166,7 +169,7 @@ def sliding_window_mask(seq: int, ctx: int, offset: int = 0, window: int = 4096)
         - - 0 0 0 -
         - - - 0 0 0
 
-    ``print(observe.render.mask_picture(sliding_window_mask(6, 6, window=3)))`` draws the left one.
+    ``print(observe.describe.mask_picture(sliding_window_mask(6, 6, window=3)))`` draws the left one.
     """
     query_pos = offset + np.arange(seq)[:, None]  # [seq, 1]
     key_pos = np.arange(ctx)[None, :]  # [1, ctx]
@@ -247,8 +250,8 @@ def attention_in_chunks(
     - the mask is added to the chunk's own ``[rows, rows]`` tile only when every key before the
       chunk is visible to all its rows (a causal mask; under a sliding window whose edge reaches
       into the chunk, the whole row of keys takes the mask as before);
-    - the weights' row sums are a matrix-vector product, ``exp(s) @ 1`` (BLAS: ~25 us for
-      ``[3, 384, 512]``, where ``np.sum`` over the last axis takes ~100 us);
+    - the weights' row sums are a matrix-vector product, ``exp(s) @ 1`` (BLAS sums it faster
+      than ``np.sum`` over the last axis; the prefill is timed by ``python -m benchmarks.speed``);
     - the division by that sum is applied to ``z`` (``head_dim`` values a row) instead of to the
       weights (``ctx`` values a row): ``softmax(s) @ v = (exp(s) @ v) / sum(exp(s))``.
 
@@ -282,8 +285,9 @@ def attention_in_chunks(
 # --- projections, activations and MLPs ------------------------------------------------------------
 #: In a batched forward pass (``Transformer.forward_batch`` sets this), a product with 2 to
 #: ``products.FEW_ROWS`` rows takes ``products.few_rows_product`` (the fastest formulation measured
-#: for this BLAS kernel). A one-sequence ``forward`` keeps the plain product: its numbers and speed
-#: stay those lesson 1 measured.
+#: for this BLAS kernel). A one-sequence ``forward`` never does; its products are the plain ones but
+#: for one: a prefill's ``gate_up`` under OpenBLAS's SkylakeX kernel, which ``LayerWeights.project``
+#: runs as ``products.left`` (``products.PREFILL_LEFT``; the same numbers to the bit).
 BATCHED: ContextVar[bool] = ContextVar("batched", default=False)
 
 

@@ -12,30 +12,18 @@ lesson 11 measure it again). Four formulations, each giving ``[rows, out]``:
                                                    while every row passes over it
     sliced_gemv  w[s] @ x[r] per slice s, row r    matrix-vector products on a cached slice
 
-Measured here (AMD EPYC, AVX-512, OpenBLAS 0.3.31, a quiet machine; all products of a SmolLM2
-decode step, best of 3, ms, ``benchmarks/batching.products_alone``; one row: 17-18 ms with one
-thread, 12 ms with two, either kernel)::
-
-    kernel    threads  rows:  2      3      4      8     16     32     64
-    SkylakeX     1     plain   69     81     74     76     87    107    139
-                       sliced  23     28     29     41     98    125    166
-                       left    46     56     48     58     58     80    123
-                 2     plain   42     43     41     42     47     55     73
-                       sliced  22     28     28     41     71     83    104
-                       left    29     34     29     33     34     46     72
-    Haswell      1     plain   43     56     48     58     72    112    182
-                  sliced_gemv  28     34     41      -      -      -      -
-                 2     plain   32     35     35     30     36     54     89
-                  sliced_gemv  27     35     42      -      -      -      -
+Which form wins, at how many rows, is measured by ``python -m benchmarks.batching`` (the products
+of a decode step alone, in every formulation, for this BLAS kernel and thread count; the README's
+batching section keeps its results) and by lesson 11.
 
 So the plan (:data:`PLAN`) is per kernel (threadpoolctl's reported architecture, asked once) and
 per BLAS thread count (asked at each product: ``threadpool_limits`` may change it): SkylakeX takes
 ``sliced`` up to 8 rows with one thread, up to 4 with two (a second thread speeds the general
 product more than the cached slices), and ``left`` above; Haswell ``sliced_gemv`` up to 3 rows with
 one thread, 2 with two, and the plain product above; a kernel not measured keeps the plain product
-(never slower than NumPy's default by our choice). At 4 rows under Haswell with one thread the two
-tie: ``sliced_gemv`` takes 41-42 ms every time, the plain product 35 to 47 ms from one process to
-the next (five processes, 2026-12-01), so the plan keeps NumPy's own. Every formulation gives the same sums in another
+(never slower than NumPy's default by our choice). Where a form's gain is within the plain product's
+spread from one process to the next (4 rows under Haswell with one thread), the plan keeps NumPy's
+own. Every formulation gives the same sums in another
 order: float32 rounding apart, the same numbers (tested against the plain product and transformers).
 """
 
@@ -64,14 +52,14 @@ def left(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``(w @ x.T).T``: the weight is the left operand, the rows the narrow right one (OpenBLAS's
     SkylakeX kernel packs this shape better for 9 to 64 rows). Returns ``[rows, out]`` as the
     transposed view of the ``[out, rows]`` product (column-major: no copy; NumPy's elementwise
-    operations take either order, and the next projection's ``x.T`` is then already contiguous:
-    32 rows, one thread: 94.7 -> 90.0 ms a decode step). A tall matrix (the LM head) is done
+    operations take either order, and the next projection's ``x.T`` is then already contiguous,
+    which shortens a 32-row decode step). A tall matrix (the LM head) is done
     :data:`LEFT_SLICE_ROWS` weight rows at a time into a C-ordered result, each slice turned while
     it is in cache (sampling reads logits row by row; the whole ``[49152, 32]`` turned at once
-    reads the 6 MB result once per row: 18.3 -> 15.0 ms at 32 rows)."""
+    reads the 6 MB result once per row). Both gains are measured by ``python -m benchmarks.batching``."""
     out_dim, rows = w.shape[0], x.shape[0]
     # [in, rows]: contiguous for a few rows (free when x is itself a transposed product); a
-    # prefill's many rows are read as the transposed operand they are (copying them: +5 ms a prefill)
+    # prefill's many rows are read as the transposed operand they are (copying them slows a prefill)
     x_t = np.ascontiguousarray(x.T) if rows <= FEW_ROWS else x.T
     if out_dim <= LEFT_SLICE_ROWS:
         return (w @ x_t).T  # [out, rows] -> a [rows, out] view
@@ -130,12 +118,12 @@ PLAN: dict[str, dict[int, tuple[tuple[int, str], ...]]] = {
 
 #: Prefill (more than :data:`FEW_ROWS` rows): the projections that take ``left`` under a kernel,
 #: by name (``LayerWeights.project``'s). Under SkylakeX ``W_gate_up @ x.T`` (``[3072, 576] @
-#: [576, 512]``) runs at 232 GFLOP/s where ``x @ W.T`` runs at 218 (one thread), and its
-#: column-major result costs nothing downstream: SiLU and the product with ``up`` are elementwise
-#: on it, and ``down`` reads it as a transposed operand. A whole SmolLM2 prefill-512, one thread:
-#: 679 -> 654 ms (two threads 412 -> 406), the same numbers to the bit. ``qkv`` and ``o`` gain as
-#: products but lose it again in the head reshapes and the residual add (``benchmarks.batching``);
-#: under Haswell no projection gains (1,102 vs 1,116 ms).
+#: [576, 512]``) runs faster than ``x @ W.T``, and its column-major result costs nothing
+#: downstream: SiLU and the product with ``up`` are elementwise on it, and ``down`` reads it as a
+#: transposed operand; a whole prefill gains, the same numbers to the bit. ``qkv`` and ``o`` gain as
+#: products but lose it again in the head reshapes and the residual add; under Haswell no projection
+#: gains. Measured by ``python -m benchmarks.batching`` (its prefill against the GEMM ceiling; the
+#: README's figures).
 PREFILL_LEFT: dict[str, frozenset[str]] = {"SkylakeX": frozenset({"gate_up"})}
 
 

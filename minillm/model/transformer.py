@@ -17,7 +17,7 @@ Read top to bottom: ``forward`` embeds the tokens and runs every ``decoder_layer
 
 ``prefill`` and ``decode_step`` (``runtime/steps.py``) both call ``forward``, feeding more or fewer
 positions from the cache's ``length`` (masks: the same rule with that offset). ``forward_batch``
-(``batch.py``) runs several sequences through the same layer: rows stacked, attention per sequence.
+runs several sequences through the same layer: rows stacked, attention per sequence (``batch.py``).
 Families differ only by ``ModelConfig`` flags (``families.py``); the math is ``primitives.py``.
 LoRA adds its low-rank paths inside ``LayerWeights.project`` (``lora.py``); capture is a ``hook``
 the blocks call with TransformerLens names (embed, resid_pre, q, k, v, rot_q, rot_k, pattern, z,
@@ -30,18 +30,17 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from minillm.model import batch, held, primitives
-from minillm.model.batch import SequenceAttention
+from minillm.errors import InvalidRequestError
+from minillm.model import held, primitives
+from minillm.model.batch import Attend, BatchAttention
 from minillm.model.config import ModelConfig
 from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
 from minillm.model.kv_cache import KVCache
+from minillm.model.positions import PositionTables
 from minillm.model.weights import LayerWeights, Weights
 
 #: ``hook(**intermediates)``: called once per block with its named arrays (capture, lessons).
 Hook = Callable[..., None]
-#: ``attend(i, layer, qkv, hook) -> z``: the per-sequence part of attention in layer ``i``,
-#: ``qkv`` ``[seq, q_dim + 2 kv_dim]`` -> ``z`` ``[seq, q_dim]`` (:class:`SequenceAttention`, :class:`BatchAttention`).
-Attend = Callable[..., np.ndarray]
 
 
 class Transformer:
@@ -55,39 +54,17 @@ class Transformer:
         self.config = config
         self.weights = weights
         self.act = primitives.ACTIVATIONS[config.hidden_act]
-        self.layer_types = [config.layer_type(i) for i in range(config.num_hidden_layers)]
-        # RoPE speeds per layer type: Gemma 3's sliding layers turn with their own (local) base.
-        self.inv_freq: dict[LayerType, np.ndarray] = {}
-        if config.position_embedding is PositionKind.ROPE:
-            full = primitives.rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-            self.inv_freq[LayerType.FULL] = full
-            if LayerType.SLIDING in self.layer_types:
-                local = config.rope_local_theta
-                self.inv_freq[LayerType.SLIDING] = (
-                    full if local is None else primitives.rope_inverse_frequencies(config.head_dim, local)
-                )
-        empty = np.zeros((0, config.head_dim), dtype=np.float32)
-        self._tables = {t: (empty, empty) for t in self.inv_freq}  # layer type -> (cos, sin) [n, head_dim]
+        self.positions = PositionTables(config)  # RoPE angles and masks per layer type (positions.py)
+        self.layer_types, self.inv_freq = self.positions.layer_types, self.positions.inv_freq
 
     # --- per-call tables: RoPE angles and masks ------------------------------------------------------
     def rope(self, positions: np.ndarray, layer_type: LayerType = LayerType.FULL) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin ``[seq, head_dim]`` for ``positions`` in layers of ``layer_type``; the tables
-        are computed once and grown on need."""
-        cos, sin = self._tables[layer_type]
-        needed = int(positions.max()) + 1
-        if needed > len(cos):
-            size = max(needed, min(2 * len(cos), self.config.max_position_embeddings), 256)
-            cos, sin = self._tables[layer_type] = primitives.rope_tables(np.arange(size), self.inv_freq[layer_type])
-        return cos[positions], sin[positions]
+        """cos, sin ``[seq, head_dim]`` for ``positions`` in layers of ``layer_type`` (``PositionTables.rope``)."""
+        return self.positions.rope(positions, layer_type)
 
     def masks(self, seq: int, start: int) -> dict[LayerType, np.ndarray]:
         """The additive mask ``[seq, start + seq]`` per layer type present in this model."""
-        masks = {LayerType.FULL: primitives.causal_mask(seq, start + seq, offset=start)}
-        if LayerType.SLIDING in self.layer_types:
-            masks[LayerType.SLIDING] = primitives.sliding_window_mask(
-                seq, start + seq, offset=start, window=self.config.sliding_window
-            )
-        return masks
+        return self.positions.masks(seq, start)
 
     def norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         """The family's norm over the last axis: RMSNorm, or LayerNorm with bias (GPT-2)."""
@@ -143,9 +120,59 @@ class Transformer:
         return self.head(x)
 
     def forward_batch(self, chunks: Sequence[tuple[np.ndarray, KVCache]], *, all_logits: bool = False) -> np.ndarray:
-        """Several sequences in one pass, rows stacked for every projection, attention per sequence
-        (``batch.forward_batch``, where the shapes and errors are): logits ``[n_sequences, vocab]``."""
-        return batch.forward_batch(self, chunks, all_logits=all_logits)
+        """Run several sequences in one pass: each ``(token_ids, cache)`` feeds ``token_ids`` at
+        positions ``cache.length..`` of its own cache (a decode row is one id, a prefill chunk many).
+
+        The rows of every sequence are stacked into one ``[rows, d_model]`` matrix, so each
+        projection reads its weights once for the whole batch (``[rows, d_model] @ W.T``); that is
+        what batching buys, as the weights dominate a decode step's memory traffic. Attention alone
+        runs per sequence, over that sequence's own cached keys and values with its own causal mask
+        (``batch.BatchAttention``): rows of different sequences never see each other. Each row gets
+        the same numbers as :meth:`forward` on that sequence alone, up to float32 rounding of the
+        products (BLAS sums a matrix product in another order than a matrix-vector product).
+
+        Args:
+            chunks: ``(token_ids [seq_j] int, cache)`` per sequence; ``cache`` is a :class:`KVCache`
+                or anything with its interface (a paged cache's sequence, ``paged_kv_cache.py``).
+                Each cache is written at ``cache.length..+seq_j`` and advanced by ``seq_j``.
+            all_logits: return logits for every row (tests, lessons) instead of the last row of
+                each sequence (what sampling needs; saves the LM head's work on prefill rows).
+
+        Returns:
+            float32 logits ``[n_sequences, vocab]`` (the last row of each chunk), or
+            ``[rows, vocab]`` with ``all_logits`` (rows in the order of ``chunks``).
+
+        Raises:
+            InvalidRequestError: no chunks, or a chunk without tokens.
+            KVCacheFullError / KVCacheMismatchError: as :meth:`forward`, for any sequence.
+        """
+        if not chunks:
+            raise InvalidRequestError("forward_batch got no sequences; pass at least one (token_ids, cache) pair.")
+        ids = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in chunks]
+        caches = [cache for _, cache in chunks]
+        sequences, positions = [], []
+        for j, (token_ids, cache) in enumerate(zip(ids, caches, strict=True)):
+            if len(token_ids) == 0:
+                raise InvalidRequestError(f"forward_batch: sequence {j} has no tokens; feed at least one per sequence.")
+            cache.check_compatible(self.config)
+            cache.check_room(len(token_ids))
+            positions.append(np.arange(cache.length, cache.length + len(token_ids)))  # [seq_j]
+            sequences.append(SequenceAttention(self, positions[-1], cache))
+        bounds = np.cumsum([0] + [len(t) for t in ids])  # sequence j owns rows bounds[j]:bounds[j+1]
+        attend = BatchAttention(self.config, self.positions, sequences, caches, bounds)
+
+        batched = primitives.BATCHED.set(True)  # products with few rows take few_rows_product
+        try:
+            x = self.embed(np.concatenate(ids), np.concatenate(positions))  # [rows, d_model]
+            for i, layer in enumerate(self.weights.layers):
+                x = self.decoder_layer(i, x, layer, attend)
+            for token_ids, cache in zip(ids, caches, strict=True):
+                cache.advance(len(token_ids))
+            if not all_logits:
+                x = x[bounds[1:] - 1]  # [n_sequences, d_model]: each sequence's last row
+            return self.head(x)
+        finally:
+            primitives.BATCHED.reset(batched)
 
     # --- the pieces of a forward pass ---------------------------------------------------------------
     def embed(self, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -170,7 +197,7 @@ class Transformer:
     def decoder_layer(self, i, x, layer: LayerWeights, attend: Attend, hook: Hook | None = None) -> np.ndarray:
         """Decoder block ``i``: ``x + attention(norm(x))``, then ``+ mlp(norm(.))``; ``x`` ``[seq, d_model]``
         in, the same shape out. ``attend`` does the per-sequence part of attention (RoPE, the cache,
-        the mask): a :class:`SequenceAttention` for one sequence, a :class:`BatchAttention` for many.
+        the mask): a :class:`SequenceAttention` for one sequence, a ``batch.BatchAttention`` for many.
         """
         cfg = self.config
         attn_out = self.attention_block(
@@ -242,6 +269,21 @@ class Transformer:
             act *= up
             return layer.project("down", act)
         return layer.project("down", self.act(layer.project("up", h)))
+
+
+class SequenceAttention:
+    """The per-sequence part of attention for one forward pass: this sequence's RoPE angles and masks
+    (from its positions) and its KV cache. Called once per layer: ``attend(i, layer, qkv, hook) -> z``.
+    """
+
+    def __init__(self, model: Transformer, positions: np.ndarray, cache: KVCache | None):
+        self.model, self.cache = model, cache
+        self.rope = {t: model.rope(positions, t) for t in model.inv_freq}  # layer type -> (cos, sin) [seq, head_dim]
+        self.masks = model.masks(len(positions), int(positions[0]))  # layer type -> [seq, ctx]
+
+    def __call__(self, i: int, layer: LayerWeights, qkv: np.ndarray, hook: Hook | None = None) -> np.ndarray:
+        layer_type = self.model.layer_types[i]
+        return self.model.attention(i, layer, qkv, self.rope.get(layer_type), self.masks[layer_type], self.cache, hook)
 
 
 def _recorder(capture: dict[str, np.ndarray], prefix: str) -> Hook:

@@ -32,12 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from minillm.errors import WeightsError
 from minillm.model import primitives, products
 from minillm.model.config import ModelConfig
-from minillm.model.families import CONV1D_FAMILIES, NAME_MAPS, OPTIONAL_PREFIX, MlpKind, NormKind, PositionKind
+from minillm.model.families import MlpKind, NormKind, PositionKind
 from minillm.model.held import HeldMatrix, hold
-from minillm.sources.safetensors_file import StoredTensor, dtype_name, itemsize, read_safetensors_header, weight_files
+from minillm.model.tensor_reader import TensorReader, WeightBlock, read_tensors
+from minillm.sources.safetensors_file import weight_files
 
 
 @dataclass
@@ -212,43 +212,6 @@ def hold_weights(weights: Weights, weight_dtype: str) -> Weights:
     return weights
 
 
-def _read_tensors(files: list[Path]) -> tuple[dict[str, StoredTensor], Counter, Counter]:
-    """Map every tensor of every file, counting parameters and bytes per stored dtype."""
-    tensors: dict[str, StoredTensor] = {}
-    counts: Counter = Counter()
-    nbytes: Counter = Counter()
-    for file in files:
-        for name, t in read_safetensors_header(file).items():
-            n = int(np.prod(t.shape, dtype=np.int64))
-            counts[dtype_name(t.dtype)] += n
-            nbytes[dtype_name(t.dtype)] += n * itemsize(t.dtype)
-            tensors[name] = t
-    return tensors, counts, nbytes
-
-
-# --- loading ---------------------------------------------------------------------------------------
-class WeightBlock:
-    """One float32 allocation the model's matrices are carved from, in the order the forward reads them.
-
-    Why one block and not an array per matrix: NumPy asks Linux for 2 MiB "huge" memory pages only
-    for arrays of 4 MiB or more, and smaller matrices on 4 KiB pages cost address translations
-    (TLB misses) on every decode step. Carved from one block, every matrix lies on huge pages,
-    streamed one after another. The price is paid once, at load: the first write to each 2 MiB
-    page is slower (the README's speed section has the measured figures).
-    """
-
-    def __init__(self, size: int):
-        self.data = np.empty(size, dtype=np.float32)  # [size]; pages are committed as they are written
-        self.used = 0
-
-    def carve(self, rows: int, cols: int) -> np.ndarray:
-        """The next ``[rows, cols]`` float32 view of the block (uninitialised: the caller fills it)."""
-        start, self.used = self.used, self.used + rows * cols
-        if self.used > self.data.size:
-            raise ValueError(f"the weight block holds {self.data.size:,} values, carving past it")
-        return self.data[start : self.used].reshape(rows, cols)
-
-
 def load_weights(folder: str | os.PathLike, config: ModelConfig, mmap: bool = False) -> Weights:
     """Load a model folder's safetensors into the internal float32 layout.
 
@@ -268,150 +231,26 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig, mmap: bool = Fa
             names the tensor, the expected and the found shape), or one stored in a dtype minillm
             does not read (with ``mmap=True``: any dtype but float32).
     """
-    family = config.family
-    names = NAME_MAPS[family]
     t0 = time.perf_counter()
     files = weight_files(folder)
-    tensors, counts, nbytes = _read_tensors(files)
-    t1 = time.perf_counter()
-    used: set[str] = set()
-    maps: dict = {}  # mmap: one map per file
-    reading = [t1 - t0]  # seconds spent reading bytes (headers, then each tensor as it is taken)
-    prefix = OPTIONAL_PREFIX.get(family)
-
-    d_model, ffn, vocab, hd = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
-    q_dim, kv_dim = config.q_dim, config.kv_dim
-
-    def find(key: str, i: int | None) -> str | None:
-        name = names[key].format(i=i)
-        if name in tensors:
-            return name
-        if prefix and name.startswith(prefix) and name[len(prefix) :] in tensors:
-            return name[len(prefix) :]
-        return None
-
-    def take(key: str, shape: tuple[int, ...], i: int | None = None) -> np.ndarray:
-        name = find(key, i)
-        if name is None:
-            raise WeightsError(
-                f"tensor {names[key].format(i=i)!r} is missing from {Path(folder)}; the checkpoint is "
-                f"incomplete or not a {config.model_type} model with this config.json. Re-download it."
-            )
-        stored = tensors[name]
-        if stored.shape != shape:
-            raise WeightsError(
-                f"tensor {name!r} has shape {stored.shape}, expected {shape} from config.json; "
-                "the weights and config.json belong to different models."
-            )
-        t = time.perf_counter()
-        try:
-            array = stored.mapped(maps) if mmap else stored.to_float32()
-        except WeightsError as exc:
-            raise WeightsError(f"tensor {name!r}: {exc}") from None
-        reading[0] += time.perf_counter() - t
-        used.add(name)
-        return array
-
-    def linear(key: str, in_dim: int, out_dim: int, i: int) -> np.ndarray:
-        """A projection as ``[out_dim, in_dim]``, whichever way the file stores it (a copy, or a view)."""
-        if family in CONV1D_FAMILIES:  # Conv1D [in, out] -> [out, in] (a transposed view when mapped)
-            return take(key, (in_dim, out_dim), i).T
-        return take(key, (out_dim, in_dim), i)  # nn.Linear: already [out, in]
-
-    def matrix(i: int, in_dim: int, *pieces: tuple[str, int]) -> np.ndarray | tuple[np.ndarray, ...]:
-        """The projection stacking ``pieces`` ``(key, out_dim)`` row-wise: carved from the block and
-        filled (eager), or the file's own matrices side by side (mapped)."""
-        if mmap:
-            views = tuple(linear(key, in_dim, out_dim, i) for key, out_dim in pieces)
-            return views[0] if len(views) == 1 else views
-        out = block.carve(sum(n for _, n in pieces), in_dim)
-        row = 0
-        for key, out_dim in pieces:
-            out[row : row + out_dim] = linear(key, in_dim, out_dim, i)
-            row += out_dim
-        return out
-
-    def norm(key: str, dim: int, i: int | None = None) -> np.ndarray:
-        w = take(key, (dim,), i)
-        if config.norm_weight_offset:  # Gemma3RMSNorm: x_normed * (1 + w), in float32
-            w = w + np.float32(config.norm_weight_offset)
-        return w
-
-    def maybe(cond: bool, key: str, shape: tuple[int, ...], i: int | None = None) -> np.ndarray | None:
-        return take(key, shape, i) if cond else None
-
-    gated, tied = config.mlp is MlpKind.GATED, config.tie_word_embeddings
-    per_layer = (q_dim + 2 * kv_dim) * d_model + d_model * q_dim + (2 if gated else 1) * ffn * d_model + d_model * ffn
-    block = WeightBlock(0 if mmap else vocab * d_model * (1 if tied else 2) + config.num_hidden_layers * per_layer)
+    tensors, counts, nbytes = read_tensors(files)
+    d_model, vocab = config.hidden_size, config.vocab_size
+    block = WeightBlock(0 if mmap else _block_size(config))
+    r = TensorReader(folder, config, tensors, block, mmap, reading_s=time.perf_counter() - t0)
     # The largest tensor first: while it is read, its mapped file pages and its copy both count in
     # the resident set, and this way nothing else is loaded yet (peak RSS).
-    if mmap:
-        embed = take("embed_tokens", (vocab, d_model))  # a view of the file
-    else:
-        embed = block.carve(vocab, d_model)
-        embed[...] = take("embed_tokens", (vocab, d_model))
-    layers = []
-    for i in range(config.num_hidden_layers):
-        # Carved in the order the forward reads them: q|k|v, o, gate|up (or up), down.
-        if "qkv" in names:  # GPT-2: one fused Conv1D [d_model, 3 d_model]
-            w_qkv = matrix(i, d_model, ("qkv", q_dim + 2 * kv_dim))
-            b_qkv = maybe(config.qkv_bias, "qkv_bias", (q_dim + 2 * kv_dim,), i)
-        else:  # q | k | v rows: one matrix multiply gives all three
-            w_qkv = matrix(i, d_model, ("q", q_dim), ("k", kv_dim), ("v", kv_dim))
-            b_qkv = (
-                np.concatenate(
-                    [take("q_bias", (q_dim,), i), take("k_bias", (kv_dim,), i), take("v_bias", (kv_dim,), i)]
-                )
-                if config.qkv_bias
-                else None
-            )
-        w_o = matrix(i, q_dim, ("o", d_model))  # [d_model, q_dim]
-        w_gate_up = w_up = b_gate_up = b_up = None
-        if gated:
-            w_gate_up = matrix(i, d_model, ("gate", ffn), ("up", ffn))  # gate | up rows
-            b_gate_up = (
-                np.concatenate([take("gate_bias", (ffn,), i), take("up_bias", (ffn,), i)]) if config.mlp_bias else None
-            )
-        else:
-            w_up = matrix(i, d_model, ("up", ffn))  # [ffn, d_model]
-            b_up = maybe(config.mlp_bias, "up_bias", (ffn,), i)
-        w_down = matrix(i, ffn, ("down", d_model))  # [d_model, ffn]
-        layernorm = config.norm is NormKind.LAYERNORM
-        layers.append(
-            LayerWeights(
-                attn_norm=norm("attn_norm", d_model, i),
-                attn_norm_bias=maybe(layernorm, "attn_norm_bias", (d_model,), i),
-                w_qkv=w_qkv,
-                b_qkv=b_qkv,
-                q_norm=norm("q_norm", hd, i) if config.qk_norm else None,
-                k_norm=norm("k_norm", hd, i) if config.qk_norm else None,
-                w_o=w_o,
-                b_o=maybe(config.o_bias, "o_bias", (d_model,), i),
-                attn_post_norm=norm("attn_post_norm", d_model, i) if config.post_norms else None,
-                mlp_norm=norm("mlp_norm", d_model, i),
-                mlp_norm_bias=maybe(layernorm, "mlp_norm_bias", (d_model,), i),
-                w_gate_up=w_gate_up,
-                b_gate_up=b_gate_up,
-                w_up=w_up,
-                b_up=b_up,
-                w_down=w_down,
-                b_down=maybe(config.mlp_bias, "down_bias", (d_model,), i),
-                mlp_post_norm=norm("mlp_post_norm", d_model, i) if config.post_norms else None,
-            )
-        )
-    if tied:
-        if (name := find("lm_head", None)) is not None:
-            used.add(name)  # some files carry the tied copy anyway; the model uses the embedding
+    embed = r.table("embed_tokens", vocab, d_model)
+    layers = [_layer_weights(r, config, i) for i in range(config.num_hidden_layers)]
+    if config.tie_word_embeddings:
+        if (name := r.find("lm_head", None)) is not None:
+            r.used.add(name)  # some files carry the tied copy anyway; the model uses the embedding
         lm_head = embed  # tied head: the embedding itself, no second copy
-    elif mmap:
-        lm_head = take("lm_head", (vocab, d_model))  # [vocab, d_model], a view of the file
     else:
-        lm_head = block.carve(vocab, d_model)  # [vocab, d_model]
-        lm_head[...] = take("lm_head", (vocab, d_model))
+        lm_head = r.table("lm_head", vocab, d_model)  # [vocab, d_model]
     learned = config.position_embedding is PositionKind.LEARNED
-    pos_embed = take("pos_embed", (config.max_position_embeddings, d_model)) if learned else None
-    final_norm = norm("final_norm", d_model)
-    final_norm_bias = maybe(config.norm is NormKind.LAYERNORM, "final_norm_bias", (d_model,))
+    pos_embed = r.take("pos_embed", (config.max_position_embeddings, d_model)) if learned else None
+    final_norm = r.norm("final_norm", d_model)
+    final_norm_bias = r.maybe(config.norm is NormKind.LAYERNORM, "final_norm_bias", (d_model,))
     t2 = time.perf_counter()
     return Weights(
         embed_tokens=embed,
@@ -422,8 +261,67 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig, mmap: bool = Fa
         final_norm_bias=final_norm_bias,
         stored_dtypes=counts,
         stored_bytes=nbytes,
-        unused_tensors=sorted(set(tensors) - used),
+        unused_tensors=sorted(set(tensors) - r.used),
         files=files,
-        seconds={"map" if mmap else "read": reading[0], "convert": t2 - t0 - reading[0]},
+        seconds={"map" if mmap else "read": r.reading_s, "convert": t2 - t0 - r.reading_s},
         mapped=mmap,
+    )
+
+
+def _block_size(config: ModelConfig) -> int:
+    """float32 values of every matrix a load copies: the embedding (and an untied head), every layer's."""
+    d_model, ffn, q_dim, kv_dim = config.hidden_size, config.intermediate_size, config.q_dim, config.kv_dim
+    gated = config.mlp is MlpKind.GATED
+    per_layer = (q_dim + 2 * kv_dim) * d_model + d_model * q_dim + (2 if gated else 1) * ffn * d_model + d_model * ffn
+    tables = config.vocab_size * d_model * (1 if config.tie_word_embeddings else 2)
+    return tables + config.num_hidden_layers * per_layer
+
+
+def _layer_weights(r: TensorReader, config: ModelConfig, i: int) -> LayerWeights:
+    """Layer ``i``'s tensors, carved in the order the forward reads them: q|k|v, o, gate|up (or up), down."""
+    d_model, ffn, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q_dim, kv_dim = config.q_dim, config.kv_dim
+    if "qkv" in r.names:  # GPT-2: one fused Conv1D [d_model, 3 d_model]
+        w_qkv = r.matrix(i, d_model, ("qkv", q_dim + 2 * kv_dim))
+        b_qkv = r.maybe(config.qkv_bias, "qkv_bias", (q_dim + 2 * kv_dim,), i)
+    else:  # q | k | v rows: one matrix multiply gives all three
+        w_qkv = r.matrix(i, d_model, ("q", q_dim), ("k", kv_dim), ("v", kv_dim))
+        b_qkv = (
+            np.concatenate(
+                [r.take("q_bias", (q_dim,), i), r.take("k_bias", (kv_dim,), i), r.take("v_bias", (kv_dim,), i)]
+            )
+            if config.qkv_bias
+            else None
+        )
+    w_o = r.matrix(i, q_dim, ("o", d_model))  # [d_model, q_dim]
+    w_gate_up = w_up = b_gate_up = b_up = None
+    if config.mlp is MlpKind.GATED:
+        w_gate_up = r.matrix(i, d_model, ("gate", ffn), ("up", ffn))  # gate | up rows
+        b_gate_up = (
+            np.concatenate([r.take("gate_bias", (ffn,), i), r.take("up_bias", (ffn,), i)]) if config.mlp_bias else None
+        )
+    else:
+        w_up = r.matrix(i, d_model, ("up", ffn))  # [ffn, d_model]
+        b_up = r.maybe(config.mlp_bias, "up_bias", (ffn,), i)
+    w_down = r.matrix(i, ffn, ("down", d_model))  # [d_model, ffn]
+    layernorm = config.norm is NormKind.LAYERNORM
+    return LayerWeights(
+        attn_norm=r.norm("attn_norm", d_model, i),
+        attn_norm_bias=r.maybe(layernorm, "attn_norm_bias", (d_model,), i),
+        w_qkv=w_qkv,
+        b_qkv=b_qkv,
+        q_norm=r.norm("q_norm", hd, i) if config.qk_norm else None,
+        k_norm=r.norm("k_norm", hd, i) if config.qk_norm else None,
+        w_o=w_o,
+        b_o=r.maybe(config.o_bias, "o_bias", (d_model,), i),
+        attn_post_norm=r.norm("attn_post_norm", d_model, i) if config.post_norms else None,
+        mlp_norm=r.norm("mlp_norm", d_model, i),
+        mlp_norm_bias=r.maybe(layernorm, "mlp_norm_bias", (d_model,), i),
+        w_gate_up=w_gate_up,
+        b_gate_up=b_gate_up,
+        w_up=w_up,
+        b_up=b_up,
+        w_down=w_down,
+        b_down=r.maybe(config.mlp_bias, "down_bias", (d_model,), i),
+        mlp_post_norm=r.norm("mlp_post_norm", d_model, i) if config.post_norms else None,
     )

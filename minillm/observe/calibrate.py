@@ -51,16 +51,16 @@ SCHEMA = "minillm.calibration/3"
 #: about this machine (the lessons' rule for asserting a timing: half a core).
 BUSY_CORES = 0.5
 #: Rows m of the skinny products measured. 2 and 4 too: under OpenBLAS's Haswell kernel a product
-#: of 2 to 6 rows streams its weight ~4.7x slower than one row, and 8 rows faster than 4 (96 MiB:
-#: 1.6, 7.5, 7.6, 6.7 ms for 1, 2, 4, 8 rows), so 1 and 8 alone made a 5-token prefill's
+#: of 2 to 6 rows streams its weight several times slower than one row, and 8 rows faster than 4
+#: (``minillm calibrate`` measures each: ``matmul_s_per_byte``), so 1 and 8 alone made a 5-token prefill's
 #: expectation half of what it takes.
 ROWS = (1, 2, 4, 8, 64)
 K = 1024  # their inner dimension
 WEIGHT_BYTES = 96 << 20  # the matrix they stream
 #: Calls one decoder layer makes in a decode step, each paying about one small NumPy call's fixed
 #: cost: counted with ``sys.setprofile`` on SmolLM2 (47 C functions and 53 Python functions a
-#: layer). With 24, a decode step's expectation left out ~2 ms of 13-15 ms (1.5-1.9x measured: a
-#: healthy request one scheduling hiccup from being called slow).
+#: layer). With 24, a decode step's expectation left out enough of the step that a healthy request
+#: was one scheduling hiccup from being called slow.
 CALLS_PER_LAYER = 100
 
 

@@ -184,11 +184,11 @@ def tokenize(model, ids: np.ndarray) -> dict[str, Any]:
 
 
 def prefill(model, tokens: int, offset: int, cache_length: int, probs: np.ndarray | None, token: int) -> dict[str, Any]:
-    """The prefill: positions written, the masks the forward used (as pictures), first-token candidates."""
+    """The prefill: positions written, its masks (recomputed from its positions: pictures), top first tokens."""
     cfg, transformer = model.config, model.transformer
     sliding = transformer.layer_types.count(LayerType.SLIDING)
     masks = {}
-    if tokens <= MASK_GRID_MAX:  # the very masks of this forward pass, [seq, ctx] each
+    if tokens <= MASK_GRID_MAX:  # the masks this forward used, recomputed by the same rule, [seq, ctx] each
         masks = {str(t): mask_picture(m, "■", "·") for t, m in transformer.masks(tokens, offset).items()}
     return dict(
         tokens=tokens,

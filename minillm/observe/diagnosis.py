@@ -233,15 +233,13 @@ def diagnose(
         :class:`Diagnosis`; no findings when the request was healthy.
     """
     expected = expected or {}
-    decode_s = float(sum(metrics.decode_step_s))
     startup = 1.0 if first_request else 0.0
     phases = {
         "loading": startup * (load_s or 0.0),
         "warm-up": startup * (warmup_s or 0.0),
         "prefill": metrics.ttft_s,
-        "decode": decode_s,
+        "decode": float(sum(metrics.decode_step_s)),
     }
-    dominant = max(phases, key=phases.get)
     checks = []
     if first_request and load_s is not None:
         checks.append(PhaseCheck("loading", load_s, expected.get("loading")))
@@ -249,98 +247,132 @@ def diagnose(
     if metrics.decode_step_s:
         checks.append(PhaseCheck("decode", metrics.tpot_s, expected.get("decode")))
     slow = {c.phase: c for c in checks if c.slow}
-
-    findings = []
-    leaked = [s for s in special_tokens if s and s in text]
-    if "\ufffd" in text or leaked:
-        what = "U+FFFD in the output" if "\ufffd" in text else f"special tokens in the text: {leaked}"
-        symptom, points_to = TABLE["tokenizer"]
-        findings.append(("tokenizer", f"{symptom} ({what})", points_to))
     fix = contention(others_cpu_share, blas_threads, cores)
-    if fix is not None:  # whatever phase dominated: a stalled BLAS thread slows every phase
-        symptom, points_to = TABLE["threads"]
-        findings.append(
-            (
-                "threads",
-                f"{symptom} (other processes used {others_cpu_share:.0%} of the cores)",
-                points_to.format(threads=blas_threads, cores=cores or os.cpu_count() or "?", fix=fix),
+    findings = [
+        _odd_text(text, special_tokens),
+        _threads(fix, others_cpu_share, blas_threads, cores),
+        _loading(slow, load_s, load_source, weight_seconds),
+        _prefill(metrics, expected.get("prefill_one_token"), checks, slow, first_request, warmup_s, held_formats),
+        _decode(slow, held_formats),
+        _shared_machine(fix, slow, others_cpu_share, load_others_cpu_share, cores),
+        _earlier_requests(history),
+    ]
+    return Diagnosis(phases, max(phases, key=phases.get), checks, [f for f in findings if f is not None])
+
+
+Finding = tuple[str, str, str]  # (what, symptom, where it points)
+
+
+def _because(c: PhaseCheck) -> str:
+    return f" ({c.measured_s:.3g} s, {c.ratio:.1f}x the {c.expected_s:.3g} s expected; threshold {THRESHOLD:g}x)"
+
+
+def _odd_text(text: str, special_tokens: tuple[str, ...]) -> Finding | None:
+    """U+FFFD or a special token's text in the output: the tokenizer."""
+    leaked = [s for s in special_tokens if s and s in text]
+    if "\ufffd" not in text and not leaked:
+        return None
+    what = "U+FFFD in the output" if "\ufffd" in text else f"special tokens in the text: {leaked}"
+    symptom, points_to = TABLE["tokenizer"]
+    return ("tokenizer", f"{symptom} ({what})", points_to)
+
+
+def _threads(fix, others_cpu_share: float, blas_threads: int | None, cores: int | None) -> Finding | None:
+    """Whatever phase dominated: a stalled BLAS thread slows every phase."""
+    if fix is None:
+        return None
+    symptom, points_to = TABLE["threads"]
+    return (
+        "threads",
+        f"{symptom} (other processes used {others_cpu_share:.0%} of the cores)",
+        points_to.format(threads=blas_threads, cores=cores or os.cpu_count() or "?", fix=fix),
+    )
+
+
+def _loading(slow: dict, load_s: float | None, load_source: str | None, weight_seconds) -> Finding | None:
+    """A slow load: a download or conversion, or (cached) reading and laying out the weights."""
+    if "loading" not in slow:
+        return None
+    key = "loading (cached)" if load_source in ("cache", "local") else "loading"
+    symptom, points_to = TABLE[key]
+    parts = {k: v for k, v in (weight_seconds or {}).items() if k in ("read", "map", "convert")}
+    if parts:
+        symptom += "; weights " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
+        mostly_weights = sum(parts.values()) >= 0.5 * (load_s or 0.0)  # else the time went elsewhere
+        if mostly_weights and parts.get("convert", 0.0) > 2 * max(parts.get("read", 0.0), 1e-9):
+            points_to = (
+                "loading: most of it laying the weights out in fresh memory, where the kernel finds and "
+                "zeroes new pages; slow when memory is busy or fragmented (load(..., mmap=True) skips the copy)"
             )
-        )
+    return ("loading", symptom + _because(slow["loading"]), points_to)
 
-    def because(c: PhaseCheck) -> str:
-        return f" ({c.measured_s:.3g} s, {c.ratio:.1f}x the {c.expected_s:.3g} s expected; threshold {THRESHOLD:g}x)"
 
-    if "loading" in slow:
-        key = "loading (cached)" if load_source in ("cache", "local") else "loading"
-        symptom, points_to = TABLE[key]
-        parts = {k: v for k, v in (weight_seconds or {}).items() if k in ("read", "map", "convert")}
-        if parts:
-            symptom += "; weights " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
-            mostly_weights = sum(parts.values()) >= 0.5 * (load_s or 0.0)  # else the time went elsewhere
-            if mostly_weights and parts.get("convert", 0.0) > 2 * max(parts.get("read", 0.0), 1e-9):
-                points_to = (
-                    "loading: most of it laying the weights out in fresh memory, where the kernel finds and "
-                    "zeroes new pages; slow when memory is busy or fragmented (load(..., mmap=True) skips the copy)"
-                )
-        findings.append(("loading", symptom + because(slow["loading"]), points_to))
-    short_s = expected.get("prefill_one_token")
+def _prefill(metrics, short_s, checks, slow, first_request, warmup_s, held_formats) -> Finding | None:
+    """A slow first token: one-time costs (no warm-up), a long prompt (``short_s``: a one-token
+    prompt's expected TTFT), or slower than this machine manages for the length."""
     long_input = (
         metrics.prompt_tokens >= LONG_PROMPT_TOKENS and short_s and metrics.ttft_s > THRESHOLD * short_s
     )  # the first token waited for the prompt: more than 2x what a one-token prompt should take
     if "prefill" in slow and first_request and warmup_s is None:  # one-time costs land on the first pass
         symptom, points_to = TABLE["warm-up"]
-        findings.append(("warm-up", f"{symptom}: no warm-up ran" + because(slow["prefill"]), points_to))
-    elif long_input:
+        return ("warm-up", f"{symptom}: no warm-up ran" + _because(slow["prefill"]), points_to)
+    if long_input:
         symptom, points_to = TABLE["prefill"]
         c = next(c for c in checks if c.phase == "prefill")
         for_length = f"; {c.ratio:.1f}x what this length should take here" if c.expected_s else ""
-        findings.append(
-            (
-                "prefill",
-                f"{symptom}: {metrics.prompt_tokens:,} tokens ({metrics.ttft_s:.3g} s, "
-                f"{metrics.ttft_s / short_s:.0f}x a one-token prompt's {short_s:.3g} s{for_length}; "
-                f"threshold {THRESHOLD:g}x)",
-                points_to,
-            )
+        return (
+            "prefill",
+            f"{symptom}: {metrics.prompt_tokens:,} tokens ({metrics.ttft_s:.3g} s, "
+            f"{metrics.ttft_s / short_s:.0f}x a one-token prompt's {short_s:.3g} s{for_length}; "
+            f"threshold {THRESHOLD:g}x)",
+            points_to,
         )
-    elif "prefill" in slow:  # neither cold nor long: the prompt's length is not why
-        findings.append(
-            (
-                "prefill",
-                f"slow first token for this prompt: {metrics.prompt_tokens:,} tokens" + because(slow["prefill"]),
-                unpacking("prefill", held_formats)
-                if held_formats
-                else "prefill: slower than this machine manages for this length; a busy machine (others' CPU above), "
-                "BLAS threads, or one-time costs",
-            )
+    if "prefill" in slow:  # neither cold nor long: the prompt's length is not why
+        return (
+            "prefill",
+            f"slow first token for this prompt: {metrics.prompt_tokens:,} tokens" + _because(slow["prefill"]),
+            unpacking("prefill", held_formats)
+            if held_formats
+            else "prefill: slower than this machine manages for this length; a busy machine (others' CPU above), "
+            "BLAS threads, or one-time costs",
         )
-    if "decode" in slow:
-        symptom, points_to = TABLE["decode"]
-        if held_formats:  # fewer bytes were read, but every product unpacked them first
-            points_to = unpacking("decode", held_formats)
-        findings.append(("decode", f"{symptom}: TPOT" + because(slow["decode"]), points_to))
+    return None
+
+
+def _decode(slow: dict, held_formats: tuple[str, ...]) -> Finding | None:
+    """A slow TPOT: the memory-bound decode, or (held formats) the unpacking before every product."""
+    if "decode" not in slow:
+        return None
+    symptom, points_to = TABLE["decode"]
+    if held_formats:  # fewer bytes were read, but every product unpacked them first
+        points_to = unpacking("decode", held_formats)
+    return ("decode", f"{symptom}: TPOT" + _because(slow["decode"]), points_to)
+
+
+def _shared_machine(fix, slow: dict, others_cpu_share, load_others_cpu_share, cores: int | None) -> Finding | None:
+    """The slow phases shared the cores: they may be the neighbours' doing, not the model's."""
     n = cores or os.cpu_count() or 1
     shares = [others_cpu_share] + ([load_others_cpu_share] if "loading" in slow else [])
     share = max((x for x in shares if x == x), default=float("nan"))  # the busiest of the slow phases' windows
-    if fix is None and share * n >= BUSY_CORES and slow:
-        # The slow phases shared the cores: they may be the neighbours' doing, not the model's.
-        findings.append(
-            (
-                "shared machine",
-                f"measured on a busy machine (other processes used {share:.0%} of the cores)",
-                "the slow phases shared the cores with other processes, so they are not the model's alone; "
-                "measure again when the machine is quieter",
-            )
-        )
+    if fix is not None or not (share * n >= BUSY_CORES and slow):
+        return None
+    return (
+        "shared machine",
+        f"measured on a busy machine (other processes used {share:.0%} of the cores)",
+        "the slow phases shared the cores with other processes, so they are not the model's alone; "
+        "measure again when the machine is quieter",
+    )
+
+
+def _earlier_requests(history: list[dict] | None) -> Finding | None:
+    """The first request was slower than the later ones: one-time costs a warm-up would pay."""
     earlier = first_request_slower(history or [])
-    if earlier is not None:
-        what, ratio = earlier
-        symptom, points_to = TABLE["warm-up"]
-        findings.append(
-            (
-                "warm-up",
-                f"{symptom}; later ones improve (its {what} was {ratio:.1f}x the later requests' median)",
-                points_to,
-            )
-        )
-    return Diagnosis(phases, dominant, checks, findings)
+    if earlier is None:
+        return None
+    what, ratio = earlier
+    symptom, points_to = TABLE["warm-up"]
+    return (
+        "warm-up",
+        f"{symptom}; later ones improve (its {what} was {ratio:.1f}x the later requests' median)",
+        points_to,
+    )

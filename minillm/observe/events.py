@@ -17,43 +17,16 @@ Many requests at once (``generate_batch``): one ``batch_step`` per scheduler ste
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from minillm.observe import describe
 from minillm.observe.metrics import cpu_snapshot, others_cpu_share
 from minillm.observe.render import Renderer
+from minillm.observe.trace_event import TraceEvent
 
 VERBOSITY = ("quiet", "summary", "steps", "full")
 PHASES = ("load", "warmup", "prepare", "tokenize", "prefill", "decode", "stop", "summary", "batch_step")
-
-
-@dataclass
-class TraceEvent:
-    """One phase: ``start`` is seconds since the tracer was made, ``duration`` seconds."""
-
-    phase: str
-    start: float
-    duration: float
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        """One JSON line; NumPy values and enums become plain JSON values."""
-        return json.dumps(asdict(self), default=_jsonable)
-
-    @classmethod
-    def from_json(cls, line: str) -> TraceEvent:
-        return cls(**json.loads(line))
-
-
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if hasattr(value, "value"):  # enums such as StopReason
-        return value.value
-    return str(value)
 
 
 class Tracer:
@@ -82,7 +55,8 @@ class Tracer:
         self._cpu_at_creation = cpu_snapshot()  # a tracer made before load measures others' share over it
         self._load_share = float("nan")
         if console is not None and verbosity != "quiet":
-            self._renderer = Renderer(console, self, live=console.is_terminal if live is None else live)
+            live = console.is_terminal if live is None else live
+            self._renderer = Renderer(console, verbosity, fold_every, live=live)
 
     def on_event(self, phase: str, start: float, duration: float, model, facts: dict[str, Any]) -> None:
         """What the runtime calls: ``start`` in ``time.perf_counter()`` seconds, ``duration``

@@ -6,7 +6,7 @@ of a terminal while the step lines print above it; piped output gets the text at
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -15,10 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from minillm.observe.metrics import WEIGHT_FORMATS, bits_per_weight, format_bytes
-
-if TYPE_CHECKING:  # the Tracer makes a Renderer: no import at run time, no cycle
-    from minillm.observe.events import TraceEvent, Tracer
-
+from minillm.observe.trace_event import TraceEvent
 
 #: A prompt's token table shows this many rows at each end unless verbosity is "full".
 TOKEN_ROWS_SHOWN = 10
@@ -38,11 +35,14 @@ def _candidates_text(cands: list[tuple[str, float]]) -> str:
 
 
 class Renderer:
-    """Prints each event with rich as it arrives; keeps the Live view of the streamed text."""
+    """Prints each event with rich as it arrives; keeps the Live view of the streamed text.
 
-    def __init__(self, console: Console, tracer: Tracer, live: bool = False):
+    ``verbosity`` and ``fold_every``: the ``events.Tracer``'s (which events and decode steps to print).
+    """
+
+    def __init__(self, console: Console, verbosity: str, fold_every: int, live: bool = False):
         self.console = console
-        self.tracer = tracer
+        self.verbosity, self.fold_every = verbosity, fold_every
         self.use_live = live
         self.live: Live | None = None
         self.text = ""
@@ -65,7 +65,7 @@ class Renderer:
 
     # --- events ---------------------------------------------------------------------------------
     def render(self, e: TraceEvent) -> None:
-        brief = self.tracer.verbosity == "summary"
+        brief = self.verbosity == "summary"
         method = getattr(self, f"_{e.phase}", None)
         if method is None or (brief and e.phase in ("warmup", "prepare", "tokenize", "prefill", "decode")):
             return
@@ -156,7 +156,7 @@ class Renderer:
         specials = set(d.get("special_ids", ()))
         rows = list(enumerate(zip(d["ids"], d["pieces"], strict=True)))
         folded = 0
-        if self.tracer.verbosity != "full" and len(rows) > 2 * TOKEN_ROWS_SHOWN + 1:  # a long prompt: its ends
+        if self.verbosity != "full" and len(rows) > 2 * TOKEN_ROWS_SHOWN + 1:  # a long prompt: its ends
             folded = len(rows) - 2 * TOKEN_ROWS_SHOWN
             rows = rows[:TOKEN_ROWS_SHOWN] + [None] + rows[-TOKEN_ROWS_SHOWN:]
         for row in rows:
@@ -188,7 +188,7 @@ class Renderer:
             )
             c.print(Text(masks["sliding_attention"], style="dim"))
         c.print("first-token candidates: " + escape(_candidates_text(d["candidates"])))
-        if self.tracer.verbosity != "summary":
+        if self.verbosity != "summary":
             c.print("[dim]each decode step feeds one token at position pos and samples the next:[/]")
             c.print(
                 f"[dim]{'step':>4} {'pos':>5}  {'input':>14} -> {'output':<14} {'prob':>5}  {'ms':>7}  "
@@ -196,9 +196,9 @@ class Renderer:
             )
 
     def _decode(self, e: TraceEvent) -> None:
-        d, tracer = e.data, self.tracer
+        d = e.data
         step, last = d["step"], d.get("last", False)
-        if tracer.verbosity == "steps" and not (step <= 5 or step % tracer.fold_every == 0 or last):
+        if self.verbosity == "steps" and not (step <= 5 or step % self.fold_every == 0 or last):
             self.folded += 1
             return
         if self.folded:
@@ -216,7 +216,7 @@ class Renderer:
     def _batch_step(self, e: TraceEvent) -> None:
         """One line per scheduler step; the block tables and the pool when requests joined or left."""
         c, d = self.console, e.data
-        if self.tracer.verbosity == "summary":
+        if self.verbosity == "summary":
             return
         fed = "  ".join(
             f"r{r['request']}:"
@@ -238,7 +238,7 @@ class Renderer:
             no_wrap=True,
             overflow="ellipsis",
         )
-        if self.tracer.verbosity == "full" or d["admitted"] or d["preempted"] or d["finished"]:
+        if self.verbosity == "full" or d["admitted"] or d["preempted"] or d["finished"]:
             if d["table_picture"]:
                 c.print(Text(d["table_picture"], style="dim"))
             c.print(Text(d["pool_picture"], style="dim"))

@@ -347,7 +347,8 @@ def top_candidates(probs: np.ndarray, k: int = 5) -> list[tuple[int, float]]:
     (ties: the lower id first).
 
     Called for every row of every step when a trace listens: a full sort of 49,152 probabilities
-    costs ~3 ms, so one partition finds the ``k``-th largest first and only the ids at or above it
+    per row is a visible share of a batched step (README's batching section), so one partition
+    finds the ``k``-th largest first and only the ids at or above it
     (ties at the threshold included, so the order among them is still the lower id first) are sorted.
     """
     kept = np.flatnonzero(probs > 0)

@@ -3,25 +3,21 @@
     load -> tokenize -> prefill -> sample -> decode_step ... -> detokenize -> stop -> free
 
 ``load`` is in ``loading.py``; ``generate.py`` runs these phases in a loop and tells listeners
-(the trace) what happened. Lifetimes follow llama2.c: a :class:`~minillm.runtime.loading.Model`
+(the trace) what happened. Lifetimes follow llama2.c: a :class:`~minillm.runtime.loaded_model.Model`
 (weights, tokenizer) lives across requests; a :class:`~minillm.model.kv_cache.KVCache` lives for
 one request and is reset or freed at its end.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from minillm.errors import InvalidRequestError
 from minillm.model.kv_cache import KVCache
 from minillm.runtime import sampling
+from minillm.runtime.loaded_model import Model
 from minillm.runtime.sampling import SamplingParams
 from minillm.text.detokenize import detokenize as _detokenize
-
-if TYPE_CHECKING:  # loading.py runs its warm-up through these steps
-    from minillm.runtime.loading import Model
 
 Prompt = str | list[dict]
 

@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP server: a thin shell that turns requests into ``minillm.stream`` calls.
+"""The OpenAI-compatible HTTP server: a thin shell that hands each request to the model worker, whose
+scheduler runs it in a continuous batch with the others (``worker.py``, ``runtime/scheduler.py``).
 
-    POST /v1/chat/completions   messages -> chat template -> stream (SSE when "stream": true)
-    POST /v1/completions        prompt -> stream, no template
+    POST /v1/chat/completions   messages -> chat template -> scheduler (SSE when "stream": true)
+    POST /v1/completions        prompt -> scheduler, no template
     GET  /v1/models             the one model this server holds
     GET  /v1/traces/{id}        a finished request's trace events (the newest --keep-traces)
     GET  /health                503 while loading and warming up, 200 when ready

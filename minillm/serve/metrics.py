@@ -21,7 +21,7 @@ def _geometric(lo: float, hi: float, ratio: float) -> list[float]:
     return bounds
 
 
-LATENCY_BUCKETS = _geometric(0.001, 120.0, 1.15)  # 1 ms .. 2 min, 15 % apart (~85 buckets)
+LATENCY_BUCKETS = _geometric(0.001, 120.0, 1.15)  # a millisecond .. 2 min, 15 % apart (~85 buckets)
 
 
 class ServerMetrics:
