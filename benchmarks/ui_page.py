@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         browser = launch(pw)
         page = browser.new_page(viewport={"width": 1360, "height": 860})
         page.goto(url + "/ui")
-        three_requests(page)
+        for prompt in PROMPTS:  # mid-flight: three requests batched, their blocks in the pool
+            send_from_page(page, prompt, 40)
+        page.wait_for_function("document.querySelectorAll('[data-batch-size=\"3\"]').length >= 24", timeout=300_000)
         page.click("#d-out .tok:nth-child(3)")  # show one token's candidates
         page.screenshot(path=str(out), full_page=True)
         browser.close()

@@ -78,6 +78,12 @@ class Reader:
         self.thread.start()
 
     def _read(self, url, headers):
+        try:
+            self._lines(url, headers)
+        except httpx.HTTPError:  # the server stopped at the end of the module
+            pass
+
+    def _lines(self, url, headers):
         with httpx.stream("GET", url + "/v1/events", headers=headers, timeout=None) as r:
             eid = None
             for line in r.iter_lines():
@@ -184,7 +190,8 @@ def test_slow_motion_holds_one_request_and_pool_equals_metrics(server):
     assert pool["blocks_used"] == sum(len(t) for t in pool["tables"].values()) - _shared(pool["tables"])
     t.join()
     steps = [e for _, e in reader.events if e["type"] == "step" and done["id"] in [r["id"] for r in e["rows"]]]
-    assert len(steps) == 3 and all(done["id"] in s["held"] for s in steps)  # shown as held after each step
+    # shown as held after each step but the last (it ended there)
+    assert len(steps) == 3 and all(done["id"] in s["held"] for s in steps[:-1]) and done["id"] not in steps[-1]["held"]
     after = metrics(url)  # never counted in the latency metrics
     for name in ("minillm_time_to_first_token_seconds_count", "minillm_e2e_request_latency_seconds_count"):
         assert after[name] == before[name]
