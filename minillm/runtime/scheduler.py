@@ -51,6 +51,11 @@ class BatchRequest(Request):
         self.seq: PagedSequence = self.cache
         self.deltas: list[str] = []
         self.result: GenerationResult | None = None
+        # Slow motion (a classroom follows one step at a time): after each step it took part in,
+        # the request sits out the steps of the next ``step_delay_s`` seconds, keeping its blocks;
+        # the others keep their pace. Its measured step times never include the wait.
+        self.step_delay_s = 0.0
+        self.hold_until = 0.0  # time.perf_counter() seconds
 
     def new_cache(self, max_seq_len: int) -> PagedSequence:
         return PagedSequence(self.pool, max_seq_len)  # the pool may be set later (sized from the requests)
@@ -111,14 +116,22 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def seconds_until_ready(self) -> float:
+        """0 when a step would feed someone; else seconds until the first slow-motion request
+        may run again (every running request sits out, none waits)."""
+        if self.waiting or not self.running:
+            return 0.0
+        return max(0.0, min(r.hold_until for r in self.running) - time.perf_counter())
+
     # --- who runs this step ----------------------------------------------------------------------
     def schedule(self) -> tuple[list[tuple[BatchRequest, int]], list[BatchRequest], list[BatchRequest]]:
         """Pick this step's rows: ``[(request, tokens to feed)]``, plus who was admitted and preempted."""
         budget, rows, admitted, preempted = self.max_batched_tokens, [], [], []
+        now = time.perf_counter()
         for request in list(self.running):  # oldest first
             if budget == 0:
                 break
-            if request not in self.running:  # preempted earlier in this loop
+            if request not in self.running or request.hold_until > now:  # preempted earlier; slow motion
                 continue
             n = min(len(request.seen) - request.seq.length, budget)
             while not self.pool.can_grow(request.seq, n):  # a decode needs a block and none is free
@@ -170,6 +183,8 @@ class Scheduler:
             forward_s = time.perf_counter() - t0
             for (request, _), row in zip(rows, logits, strict=True):
                 self.pool.register_full_blocks(request.seq, request.seen)
+                if request.step_delay_s > 0:
+                    request.hold_until = time.perf_counter() + request.step_delay_s
                 if not request.new_ids:
                     request.metrics.prefill_s += forward_s
                 if request.seq.length == len(request.seen):  # every token is in: sample the next
@@ -232,4 +247,5 @@ def _row_facts(request: BatchRequest, n: int, start: int) -> dict:
         "start": start,
         "kind": "decode" if decode else "prefill",
         "recompute": request.metrics.preemptions > 0 and not decode,
+        "blocks": len(request.seq.block_table),  # KV blocks it holds during the step
     }

@@ -83,6 +83,22 @@ def add_commands(sub) -> None:
         help="wait this long before loading, on purpose (tests watch /health answer 503; "
         "the /health JSON says the delay is deliberate)",
     )
+    s.add_argument(
+        "--events-buffer",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="events GET /v1/events keeps for pages that reconnect (Last-Event-ID); a page further behind "
+        "is dropped (default 4096)",
+    )
+    s.add_argument(
+        "--max-event-subscribers",
+        type=int,
+        default=32,
+        metavar="N",
+        help="event streams (live pages) open at once; one more gets 503 (default 32)",
+    )
+    s.add_argument("--open", action="store_true", help="print the live page's URL (GET /ui) and open it in a browser")
     s.add_argument("--debug", action="store_true")
     s.set_defaults(run_command=_serve)
 

@@ -5,6 +5,8 @@ scheduler runs it in a continuous batch with the others (``worker.py``, ``runtim
     POST /v1/completions        prompt -> scheduler, no template
     GET  /v1/models             the one model this server holds
     GET  /v1/traces/{id}        a finished request's trace events (the newest --keep-traces)
+    GET  /v1/events             Server-Sent Events: requests, steps, the KV pool, live (``events.py``)
+    GET  /ui                    the live page those events feed (``static/ui.html``)
     GET  /health                503 while loading and warming up, 200 when ready
     GET  /metrics               Prometheus text: TTFT, TPOT, e2e, queue wait, tokens, KV bytes
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import minillm
 
 from . import protocol as p
+from .events import EventStreamResponse, TooManySubscribers
 from .worker import Job, Outcome, QueueFullError, Worker
 
 FINISH_REASON = {
@@ -45,6 +49,7 @@ FINISH_REASON = {
     minillm.StopReason.CANCELLED: "abort",
 }
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait, seconds
+UI_PAGE = Path(__file__).parent / "static" / "ui.html"  # GET /ui (module-level: a test may point it elsewhere)
 
 
 class APIError(Exception):
@@ -133,6 +138,32 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
                 "request_id",
             )
         return record
+
+    @app.get("/v1/events", responses={503: {"model": p.ErrorResponse}})
+    async def events(request: Request):
+        """Server-Sent Events (one JSON object per ``data:`` line, ``id:`` increasing); send
+        ``Last-Event-ID`` to resume. The README lists the event types."""
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
+        try:
+            sub, opening = worker.events.subscribe(request.headers.get("last-event-id"), peer)
+        except TooManySubscribers as exc:
+            raise APIError(
+                503, f"{exc}; close another page first", "service_unavailable", code="too_many_subscribers"
+            ) from None
+        return EventStreamResponse(worker.events, sub, opening)
+
+    @app.get("/ui", include_in_schema=False)
+    async def ui():
+        page = UI_PAGE
+        if not page.is_file():
+            raise APIError(
+                404,
+                f"GET /ui: the page's file {page} is missing from this installation (minillm/serve/static/ "
+                "ships in the wheel); reinstall minillm, or read the events at GET /v1/events",
+                "not_found_error",
+                code="ui_not_installed",
+            )
+        return Response(page.read_bytes(), media_type="text/html; charset=utf-8")
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletion, responses=_ERRORS)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
@@ -231,6 +262,7 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         top_logprobs,
         asyncio.get_running_loop(),
         asyncio.Queue(),
+        slow_motion_s=body.slow_motion_s,
     )
 
 

@@ -39,6 +39,13 @@ class SamplingFields(BaseModel):
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0 = off)")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    slow_motion_s: float = Field(
+        0.0,
+        ge=0.0,
+        le=10.0,
+        description="seconds this request sits out after each of its steps (the live page's slow motion; "
+        "other requests keep their pace; its latencies are left out of /metrics)",
+    )
 
 
 class ChatMessage(BaseModel):

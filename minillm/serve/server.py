@@ -15,6 +15,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .events import EventBus
     from .metrics import ServerMetrics
     from .worker import Worker
 
@@ -30,6 +31,8 @@ def run_server(args: argparse.Namespace) -> int:
         (args.kv_cache_mib > 0, "--kv-cache-mib must be > 0"),
         (args.max_batched_tokens >= 1, "--max-batched-tokens must be >= 1"),
         (args.block_size >= 1, "--block-size must be >= 1"),
+        (args.events_buffer >= 1, "--events-buffer must be >= 1"),
+        (args.max_event_subscribers >= 1, "--max-event-subscribers must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:
@@ -52,6 +55,7 @@ def run_server(args: argparse.Namespace) -> int:
         kv_cache_mib=args.kv_cache_mib,
         max_batched_tokens=args.max_batched_tokens,
         block_size=args.block_size,
+        events=EventBus(args.events_buffer, args.max_event_subscribers, log=console.print),
     )
     served = args.served_model_name or args.model
     app = create_app(worker, served)
@@ -59,5 +63,21 @@ def run_server(args: argparse.Namespace) -> int:
         f"minillm serve: {served} on http://{args.host}:{args.port} (loading in the background; "
         "GET /health answers 200 when ready)"
     )
+    if args.open:
+        _open_page(console, f"http://{args.host}:{args.port}/ui")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
     return 0
+
+
+def _open_page(console: Console, url: str) -> None:
+    """Print the live page's URL and ask the desktop's browser to open it (nothing happens
+    without one: a server over SSH prints the URL only)."""
+    import webbrowser
+
+    console.print(f"minillm serve: the live page is {url}")
+    try:
+        opened = webbrowser.open(url)
+    except Exception:  # noqa: BLE001 - no usable browser: the printed URL is enough
+        opened = False
+    if not opened:
+        console.print("minillm serve: no browser to open here; open the URL above yourself")

@@ -32,6 +32,8 @@ import minillm
 from minillm.runtime.loading import run_warmup
 from minillm.runtime.scheduler import BatchRequest, Scheduler
 
+from .events import EventBus
+from .live import LiveFeed
 from .metrics import ServerMetrics
 
 # How the trace shows whitespace in a piece ('␣capital'); undone to give a token's text back.
@@ -59,6 +61,7 @@ class Job:
     channel: asyncio.Queue
     cancel: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)  # seconds (perf_counter)
+    slow_motion_s: float = 0.0  # seconds it sits out after each of its steps (the live page's control)
 
     def send(self, kind: str, value) -> None:
         """Hand an item to the event loop thread-safely (never blocks the worker)."""
@@ -110,6 +113,7 @@ class Worker:
         verbosity: the trace printed on ``console`` for every request (quiet, summary, steps, full).
         startup_delay_s: sleep this long before loading (tests and the lesson watch /health say 503).
         keep_traces: how many finished requests' traces ``trace()`` remembers (oldest dropped).
+        events: the bus GET /v1/events reads (``events.py``); default a ring of 4096 events.
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class Worker:
         kv_cache_mib: float = 512.0,
         max_batched_tokens: int = 512,
         block_size: int = 16,
+        events: EventBus | None = None,
     ):
         self.model_name = model_name
         self.metrics = metrics
@@ -155,6 +160,8 @@ class Worker:
         self._lock = threading.Lock()  # guards traces (written by the worker, read by the loop)
         self._ids = itertools.count()
         self._indices = itertools.count()  # the scheduler's request numbers
+        self.events = events or EventBus()
+        self.live = LiveFeed(self.events)  # builds events only while someone subscribes
         metrics.bind(self)
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -164,6 +171,7 @@ class Worker:
 
     def _run(self) -> None:
         self.status = "loading"
+        self.live.load("loading", model=self.model_name)
         if self.startup_delay_s > 0:
             time.sleep(self.startup_delay_s)  # on purpose (--startup-delay); /health says so
         try:
@@ -172,22 +180,32 @@ class Worker:
                 self.model_name, tracer=tracer, warmup=False, threads=self.threads, progress=False
             )
             self.pool = minillm.KVCachePool.for_model(self.model.config, self.kv_cache_mib, self.block_size)
+            self.live.load("loaded", seconds=dict(self.model.load_seconds), blocks_total=self.pool.num_blocks)
             if self.warmup:  # through the pool requests will use: its memory is mapped on first write
                 run_warmup(self.model, tracer=tracer, pool=self.pool)
+                self.live.load("warmup", seconds=self.model.warmup_s)
         except Exception as exc:  # noqa: BLE001 - reported by /health (503) rather than killing the server
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.live.load("failed", error=self.error)
             return
         self.scheduler = Scheduler(
             self.model, self.pool, max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs
         )
         self.status = "ready"
+        self.live.load("ready", blocks_total=self.pool.num_blocks, bytes_per_block=self.pool.bytes_per_block)
         while True:
             self._take_jobs(block=not self.scheduler.has_work())
             if self.scheduler.has_work():
+                pause = self.scheduler.seconds_until_ready()
+                if pause > 0:  # only slow-motion requests run, all sitting out: wait (a new job ends it)
+                    self._take_jobs(block=True, timeout=pause)
+                    continue
+                self.live.before_step(self.scheduler)
                 try:
                     self.scheduler.step()
                 except Exception as exc:  # noqa: BLE001 - a bug: answer every client, keep the worker alive
                     self._fail_all(exc)
+                self.live.after_step(self)
                 self._publish()
 
     @property
@@ -218,6 +236,7 @@ class Worker:
             self.queue.put_nowait(job)
         except queue.Full:
             raise QueueFullError(f"{self.queue.maxsize} requests are already waiting") from None
+        self.live.queued(job)
 
     @property
     def context(self) -> int:
@@ -230,11 +249,12 @@ class Worker:
         return minillm.Tracer(console, verbosity=self.verbosity, live=False)
 
     # --- requests joining and leaving the batch -------------------------------------------------
-    def _take_jobs(self, block: bool) -> None:
-        """Move queued jobs into the scheduler (waiting for one when nothing runs)."""
+    def _take_jobs(self, block: bool, timeout: float | None = None) -> None:
+        """Move queued jobs into the scheduler (waiting for one when nothing runs, at most
+        ``timeout`` seconds if given)."""
         while True:
             try:
-                job = self.queue.get(block=block)
+                job = self.queue.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return
             block = False
@@ -270,6 +290,7 @@ class Worker:
                 timeout_s=timeout,
                 cancel=job.cancel,
             )
+            request.step_delay_s = job.slow_motion_s
             self.scheduler.add(request)  # refuses a request the pool could never hold (400)
         except minillm.MiniLLMError as exc:  # a request the runtime refuses: the client gets a 400
             self._remember(job, None, wait, tracer.events, note=f"{type(exc).__name__}: {exc}")
@@ -300,11 +321,13 @@ class Worker:
         job, result, tracer, wait = a.job, a.request.result, a.tracer, a.wait
         m = result.metrics
         ttft = wait + m.ttft_s if result.ids and m.ttft_s is not None else None
-        if ttft is not None:
+        timed = not job.slow_motion_s  # a slow-motion request's latencies are stretched on purpose: not counted
+        if ttft is not None and timed:
             self.metrics.ttft.observe(ttft)
-        for step in m.decode_step_s:
+        for step in m.decode_step_s if timed else ():
             self.metrics.tpot.observe(step)
-        self.metrics.e2e.observe(time.perf_counter() - job.arrival)
+        if timed:
+            self.metrics.e2e.observe(time.perf_counter() - job.arrival)
         self.metrics.prompt_tokens.inc(len(result.prompt_ids))
         self.metrics.generation_tokens.inc(len(result.ids))
         self.metrics.finished.labels(reason=result.stop_reason.value).inc()
@@ -331,12 +354,14 @@ class Worker:
             "stop_reason": reason.value if reason is not None else "error",
             "queue_wait_s": wait,
             "note": note,
+            "slow_motion_s": job.slow_motion_s,  # seconds it sat out after each step (not in the metrics)
             "events": [_event_dict(e) for e in events],
         }
         with self._lock:
             self.traces[job.request_id] = record
             while len(self.traces) > self.keep_traces:
                 self.traces.popitem(last=False)
+        self.live.finished(record)
 
     def trace(self, request_id: str) -> dict | None:
         """The stored trace of a finished request, or None (unknown or already dropped)."""

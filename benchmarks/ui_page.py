@@ -1,0 +1,140 @@
+"""The live page (GET /ui) in a real headless browser: Debian's Chromium driven by Playwright.
+
+    python -m benchmarks.ui_page                 # starts `minillm serve`, sends 3 requests, writes docs/ui.png
+
+Playwright's own browser download cannot work offline, so Chromium comes from apt
+(``apt-get install -y chromium-headless-shell``) and Playwright (``pip install playwright==1.64.1``,
+the release built for Chromium 156) drives it through ``executable_path``. ``tests/test_ui.py``
+uses the same launch and the same three requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "smollm2-135m-instruct"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+CHROMIUM_CANDIDATES = ("/usr/bin/chromium-headless-shell", "/usr/bin/chromium", "/usr/lib/chromium/chromium")
+PROMPTS = (
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Write one sentence about the sea.",
+)
+
+
+def find_chromium() -> str:
+    """The Debian Chromium binary's path.
+
+    Raises:
+        FileNotFoundError: none installed (naming the apt line that installs one).
+    """
+    for path in (os.environ.get("MINILLM_CHROMIUM"), *CHROMIUM_CANDIDATES, shutil.which("chromium")):
+        if path and Path(path).is_file():
+            return path
+    raise FileNotFoundError(
+        "no Chromium found (looked at $MINILLM_CHROMIUM and " + ", ".join(CHROMIUM_CANDIDATES) + "); "
+        "install one with `apt-get install -y chromium-headless-shell`"
+    )
+
+
+def launch(playwright):
+    """A headless Chromium browser (Playwright's ``Browser``) from the Debian binary."""
+    return playwright.chromium.launch(executable_path=find_chromium(), args=CHROMIUM_ARGS, headless=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(log: Path, *flags: str):
+    """Run ``python -m minillm serve`` on a free port until the block ends; yield its base URL."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "minillm", "serve", MODEL, "--port", str(port), "--threads", "1", *flags]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "120"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not get ready:\n{log.read_text()}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def send_from_page(page, prompt: str, max_tokens: int, slow_motion: str = "0") -> None:
+    """Type a prompt into the page's box and press Send (the page streams it through the API)."""
+    page.fill("#prompt", prompt)
+    page.fill("#max-tokens", str(max_tokens))
+    page.select_option("#slow-motion", slow_motion)
+    page.click("#send")
+
+
+def three_requests(page, max_tokens: int = 24) -> None:
+    """Send the three prompts at once from the page and wait until all three have finished."""
+    for prompt in PROMPTS:
+        send_from_page(page, prompt, max_tokens)
+    page.wait_for_function("document.querySelectorAll('.req-row').length >= 3", timeout=60_000)
+    page.wait_for_function(
+        "[...window.minillmLive.requests.values()].filter(r => r.finished).length >= 3", timeout=180_000
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Regenerate the README's picture of the page."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "docs" / "ui.png"), help="where the screenshot goes")
+    args = ap.parse_args(argv)
+    from playwright.sync_api import sync_playwright
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with serve(out.with_suffix(".serve.log"), "-v", "quiet") as url, sync_playwright() as pw:
+        browser = launch(pw)
+        page = browser.new_page(viewport={"width": 1360, "height": 860})
+        page.goto(url + "/ui")
+        for prompt in PROMPTS:  # mid-flight: three requests batched, their blocks in the pool
+            send_from_page(page, prompt, 40)
+        page.wait_for_function("document.querySelectorAll('[data-batch-size=\"3\"]').length >= 24", timeout=300_000)
+        page.click("#d-out .tok:nth-child(3)")  # show one token's candidates
+        page.screenshot(path=str(out), full_page=True)
+        browser.close()
+    out.with_suffix(".serve.log").unlink(missing_ok=True)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""The server's live event stream, ``GET /v1/events``: a bounded ring of JSON events read as SSE.
+
+    worker thread                           event loop (one task per subscriber)
+    -------------                           ------------------------------------
+    bus.publish(kind, data)                 wake: each subscriber sends ring[its cursor:]
+      -> JSON, next id, ring.append    ->     "id: 42\\ndata: {"type": "step", ...}\\n\\n"
+      -> one call_soon_threadsafe(wake)     a subscriber whose next event already left the ring
+                                            is dropped (logged), never waited for
+
+The worker only appends to the ring (a lock held for one append) and schedules one wake-up on
+the loop: a slow or stuck subscriber cannot slow the model, it only falls behind until the ring
+forgets what it has not sent, and then it is dropped. A page that reconnects with
+``Last-Event-ID: N`` gets the events after N; an id the ring does not hold starts from the
+oldest kept event, which an SSE comment line says. With no subscriber, ``active`` is False and
+the worker builds no event at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from starlette.responses import Response
+
+KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing an idle stream
+FINAL_SEND_S = 1.0  # how long a dropped subscriber's goodbye may wait for its socket
+
+
+class TooManySubscribers(Exception):
+    """``max_subscribers`` pages are already connected (the HTTP layer answers 503)."""
+
+
+@dataclass(eq=False)
+class Subscriber:
+    """One connected stream: ``cursor`` is the id of the last event handed to it."""
+
+    number: int
+    peer: str
+    cursor: int
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+    dropped: str | None = None  # why the bus dropped it
+
+
+class EventBus:
+    """A ring of the newest ``capacity`` events and the subscribers reading it.
+
+    Args:
+        capacity: events kept (>= 1); older ones are forgotten.
+        max_subscribers: streams open at once (>= 1); one more gets TooManySubscribers.
+        log: called with one line of text when a subscriber is dropped (default: logging).
+    """
+
+    def __init__(self, capacity: int = 4096, max_subscribers: int = 32, log=None):
+        self.capacity, self.max_subscribers = capacity, max_subscribers
+        self.log = log or logging.getLogger("minillm.serve.events").warning
+        self.t0 = time.perf_counter()  # events' "t": seconds since the bus was made
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=capacity)  # (id, SSE frame)
+        self._next_id = 1
+        self._lock = threading.Lock()
+        self._subs: set[Subscriber] = set()
+        self._numbers = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake_pending = False
+
+    @property
+    def active(self) -> bool:
+        """True while someone subscribes: the only check the worker makes before building events."""
+        return bool(self._subs)
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subs)
+
+    def now(self) -> float:
+        """Seconds since the bus was made (the events' clock)."""
+        return time.perf_counter() - self.t0
+
+    def publish(self, kind: str, data: dict) -> int:
+        """Append one event ``{"type": kind, "t": seconds, **data}``; return its id. Never blocks
+        on a subscriber (any thread). ``data`` must be JSON-serialisable."""
+        body = json.dumps({"type": kind, "t": round(self.now(), 6), **data}, separators=(",", ":"))
+        with self._lock:
+            eid = self._next_id
+            self._next_id += 1
+            self._ring.append((eid, f"id: {eid}\ndata: {body}\n\n".encode()))
+        loop = self._loop
+        if loop is not None and not self._wake_pending:
+            self._wake_pending = True
+            try:
+                loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # the loop closed (shutdown): nobody is left to wake
+                self._wake_pending = False
+        return eid
+
+    def _span(self) -> tuple[int, int]:
+        """(oldest kept id, newest id); (next id, next id - 1) when the ring is empty."""
+        with self._lock:
+            if not self._ring:
+                return self._next_id, self._next_id - 1
+            return self._ring[0][0], self._ring[-1][0]
+
+    def _wake(self) -> None:
+        """On the loop: drop subscribers the ring has left behind, wake the others."""
+        self._wake_pending = False
+        oldest, _ = self._span()
+        for sub in list(self._subs):
+            if sub.cursor + 1 < oldest:
+                missed = oldest - sub.cursor - 1
+                self.drop(sub, f"it fell behind: {missed} events it had not been sent left the ring of {self.capacity}")
+            else:
+                sub.wake.set()
+
+    def drop(self, sub: Subscriber, reason: str) -> None:
+        """Disconnect a subscriber and log why (on the loop)."""
+        if sub in self._subs:
+            self._subs.discard(sub)
+            sub.dropped = reason
+            self.log(
+                f"events: dropped subscriber #{sub.number} ({sub.peer}): {reason}; it may reconnect with "
+                f"Last-Event-ID {sub.cursor}"
+            )
+            sub.gone.set()
+
+    def subscribe(self, last_event_id: str | None, peer: str) -> tuple[Subscriber, str]:
+        """A new subscriber (on the loop) and the SSE comment that opens its stream.
+
+        Raises:
+            TooManySubscribers: ``max_subscribers`` are already connected.
+        """
+        if len(self._subs) >= self.max_subscribers:
+            raise TooManySubscribers(
+                f"{len(self._subs)} event streams are open, the most this server allows (--max-event-subscribers)"
+            )
+        self._loop = asyncio.get_running_loop()
+        oldest, newest = self._span()
+        start, note = self._start(last_event_id, oldest, newest)
+        sub = Subscriber(next(self._numbers), peer, start - 1)
+        self._subs.add(sub)
+        return sub, f": {note}\n\n"
+
+    @staticmethod
+    def _start(last_event_id: str | None, oldest: int, newest: int) -> tuple[int, str]:
+        """The first id to send, and a sentence saying why."""
+        kept = f"the ring keeps ids {oldest}..{newest}" if newest >= oldest else "the ring is empty"
+        if last_event_id is None:
+            return oldest, f"minillm events: starting from the oldest kept event ({kept})"
+        value = last_event_id.strip()
+        if value.isdigit() and oldest - 1 <= int(value) <= newest:
+            return int(value) + 1, f"minillm events: resuming after Last-Event-ID {value}"
+        return oldest, (
+            f"minillm events: Last-Event-ID {value!r} is not in the ring ({kept}); starting from the oldest kept event"
+        )
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        self._subs.discard(sub)
+
+    def take(self, sub: Subscriber, limit: int = 256) -> list[bytes]:
+        """The frames after the subscriber's cursor (at most ``limit``), advancing it."""
+        with self._lock:
+            if not self._ring:
+                return []
+            first = sub.cursor + 1 - self._ring[0][0]
+            if first < 0 or first >= len(self._ring):
+                return []
+            frames = [f for _, f in itertools.islice(self._ring, first, first + limit)]
+        sub.cursor += len(frames)
+        return frames
+
+    async def stream(self, sub: Subscriber, opening: str, send) -> None:
+        """Send the subscriber its events until it leaves or is dropped (an ASGI ``send``)."""
+        await send({"type": "http.response.body", "body": opening.encode(), "more_body": True})
+        while sub.dropped is None:
+            frames = self.take(sub)
+            if frames:
+                await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
+                continue
+            sub.wake.clear()
+            if self.take_ready(sub):
+                continue
+            try:
+                await asyncio.wait_for(sub.wake.wait(), KEEPALIVE_S)
+            except TimeoutError:
+                await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+
+    def take_ready(self, sub: Subscriber) -> bool:
+        """True when an event after the cursor is already in the ring (published meanwhile)."""
+        _, newest = self._span()
+        return sub.cursor < newest
+
+
+class EventStreamResponse(Response):
+    """The ASGI response of ``GET /v1/events``: SSE headers, then :meth:`EventBus.stream` until
+    the client disconnects or the bus drops it."""
+
+    def __init__(self, bus: EventBus, sub: Subscriber, opening: str):
+        super().__init__(media_type="text/event-stream")
+        self.bus, self.sub, self.opening = bus, sub, opening
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        pump = asyncio.create_task(self.bus.stream(self.sub, self.opening, send))
+        left = asyncio.create_task(_disconnected(receive))
+        gone = asyncio.create_task(self.sub.gone.wait())
+        try:
+            await asyncio.wait({pump, left, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, left, gone):
+                task.cancel()
+            self.bus.unsubscribe(self.sub)
+        if left.done() and not left.cancelled():
+            return  # the client went away: nothing more to send
+        goodbye = f": dropped: {self.sub.dropped}\n\n".encode() if self.sub.dropped else b""
+        try:  # a stuck client's socket may never take it; then the server closes the connection
+            await asyncio.wait_for(
+                send({"type": "http.response.body", "body": goodbye, "more_body": False}), FINAL_SEND_S
+            )
+        except Exception:  # noqa: BLE001 - timed out, or the socket is already closed: nothing to tell
+            pass
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

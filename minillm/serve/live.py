@@ -1,0 +1,186 @@
+"""What the worker tells ``GET /v1/events``: its requests, steps and KV pool, as plain JSON events.
+
+The worker calls these hooks; each returns at once when nobody subscribes (``bus.active`` is
+False): no event is built, and the scheduler gets no listener, so it computes nothing for one.
+
+    request.queued          the server accepted it (HTTP side)
+    request.admitted        the scheduler let it run: its prompt ids, cached prefix, slow motion
+    request.prefill_chunk   one chunk of its prompt fed in a step
+    request.token           one sampled token: id, piece, text, probability, top-5 candidates
+    request.preempted       its blocks were taken back; it waits to be recomputed
+    request.finished        why it stopped, token counts, TTFT and TPOT (seconds)
+    step                    one scheduler step: start, duration, one row per request fed
+    pool                    the KV pool after the step: blocks used / free / cached, block tables
+    load                    the model's load phases (always kept: a page opened later shows them)
+
+Requests are named by the server's request id (``chatcmpl-...``); ``index`` is the scheduler's number.
+"""
+
+from __future__ import annotations
+
+import minillm
+
+from .events import EventBus
+
+
+class LiveFeed:
+    """Turns the worker's state into events on ``bus`` (the worker thread calls every hook but
+    :meth:`queued`, which the event loop calls)."""
+
+    def __init__(self, bus: EventBus):
+        self.bus = bus
+        self._step = None  # (start, duration, facts) of the last batch_step, while subscribed
+        self._read: dict[int, int] = {}  # request index -> trace events already turned into tokens
+
+    # --- what the scheduler tells us (it is the scheduler's listener while someone subscribes) --
+    def on_event(self, phase: str, start: float, duration: float, model, facts: dict) -> None:
+        if phase == "batch_step":
+            self._step = (start, duration, facts)
+
+    def before_step(self, scheduler) -> None:
+        """Listen to the coming step only if someone subscribes (else the scheduler computes nothing)."""
+        scheduler.listener = self if self.bus.active else None
+        self._step = None
+
+    # --- hooks ---------------------------------------------------------------------------------
+    def load(self, phase: str, **facts) -> None:
+        """A load phase (loading, loaded, warmup, ready, failed); kept even with no subscriber."""
+        self.bus.publish("load", {"phase": phase, **facts})
+
+    def queued(self, job) -> None:
+        if self.bus.active:
+            self.bus.publish("request.queued", {"id": job.request_id, "chat": job.chat, "max_tokens": job.max_tokens})
+
+    def finished(self, record: dict) -> None:
+        """A request's end, from the trace record the worker keeps for GET /v1/traces/{id}."""
+        if not self.bus.active:
+            return
+        summary = next((e["data"] for e in record["events"] if e["phase"] == "summary"), {})
+        ttft = summary.get("ttft_s")
+        self.bus.publish(
+            "request.finished",
+            {
+                "id": record["id"],
+                "stop_reason": record["stop_reason"],
+                "note": record["note"],
+                "prompt_tokens": summary.get("prompt_tokens", 0),
+                "cached_tokens": summary.get("cached_prompt_tokens", 0),
+                "completion_tokens": summary.get("new_tokens", 0),
+                "ttft_s": record["queue_wait_s"] + ttft if ttft else None,
+                "tpot_s": summary.get("tpot_s"),
+                "slow_motion_s": record.get("slow_motion_s", 0.0),
+            },
+        )
+
+    def after_step(self, worker) -> None:
+        """The events of the step that just ran (call it before the worker answers finished requests)."""
+        if self._step is None or not self.bus.active:
+            return
+        start, duration, facts = self._step
+        self._step = None
+        active = worker.active
+        names = {i: a.job.request_id for i, a in active.items()}
+        step = facts["step"]
+        for index, cached in facts["admitted"].items():
+            if index in active:
+                self._admitted(worker.model, active[index], step, cached)
+        rows = [self._row(r, names) for r in facts["rows"]]
+        held = [names[r.index] for r in worker.scheduler.running if r.hold_until > start + duration]
+        self.bus.publish(
+            "step",
+            {
+                "step": step,
+                "start": round(start - self.bus.t0, 6),
+                "duration_s": duration,
+                "rows": rows,
+                "held": held,
+                "waiting": [names[i] for i in facts["waiting"] if i in names],
+            },
+        )
+        for row in rows:
+            if row["phase"] == "prefill":
+                self.bus.publish("request.prefill_chunk", {"id": row["id"], "step": step, **_chunk(row)})
+            if row["index"] in active:
+                self._tokens(worker, active[row["index"]], step)
+        for index in facts["preempted"]:
+            self.bus.publish("request.preempted", {"id": names.get(index, str(index)), "step": step})
+        self._pool(worker.pool, facts, names)
+
+    # --- the pieces ------------------------------------------------------------------------------
+    def _admitted(self, model, a, step: int, cached: int) -> None:
+        ids = [int(i) for i in a.request.prompt_ids]
+        tok = model.tokenizer
+        self.bus.publish(
+            "request.admitted",
+            {
+                "id": a.job.request_id,
+                "index": a.request.index,
+                "step": step,
+                "prompt_tokens": len(ids),
+                "cached_tokens": cached,
+                "prompt": [[i, tok.piece_for_display(i)] for i in ids],
+                "readmitted": a.request.metrics.preemptions > 0,
+                "slow_motion_s": a.job.slow_motion_s,
+                "queue_wait_s": a.wait,
+            },
+        )
+
+    @staticmethod
+    def _row(r: dict, names: dict) -> dict:
+        return {
+            "id": names.get(r["request"], str(r["request"])),
+            "index": r["request"],
+            "phase": r["kind"],
+            "tokens": r["tokens"],
+            "start": r["start"],
+            "blocks": r["blocks"],
+            "recompute": r["recompute"],
+        }
+
+    def _tokens(self, worker, a, step: int) -> None:
+        """One request.token per token this step sampled, read from the request's trace."""
+        events = a.tracer.events
+        done = self._read.pop(a.request.index, 0)
+        if a.request.result is None:  # still running: remember how far its trace was read
+            self._read[a.request.index] = len(events)
+        for e in events[done:]:
+            if e.phase not in ("prefill", "decode"):
+                continue
+            n = 0 if e.phase == "prefill" else e.data["step"]
+            token_id = int(a.request.new_ids[n])
+            piece = worker.model.tokenizer.piece_for_display(token_id)
+            cands = [[p, float(q)] for p, q in e.data["candidates"]]
+            prob = e.data["prob"] if e.phase == "decode" else dict(e.data["candidates"]).get(piece)
+            self.bus.publish(
+                "request.token",
+                {
+                    "id": a.job.request_id,
+                    "step": step,
+                    "n": n,
+                    "token_id": token_id,
+                    "piece": piece,
+                    "text": minillm.detokenize(worker.model, [token_id], skip_special_tokens=False),
+                    "prob": None if prob is None or prob != prob else float(prob),
+                    "top": cands,
+                },
+            )
+
+    def _pool(self, pool, facts: dict, names: dict) -> None:
+        self.bus.publish(
+            "pool",
+            {
+                "step": facts["step"],
+                "blocks_total": facts["blocks_total"],
+                "blocks_used": facts["blocks_used"],
+                "blocks_free": facts["blocks_free"],
+                "blocks_cached": len(facts["cached_free"]),
+                "block_size": facts["block_size"],
+                "bytes_per_block": pool.bytes_per_block,
+                "tables": {names.get(i, str(i)): t for i, t in facts["tables"].items()},
+                "cached_free": facts["cached_free"],
+            },
+        )
+
+
+def _chunk(row: dict) -> dict:
+    return {"start": row["start"], "tokens": row["tokens"], "recompute": row["recompute"]}

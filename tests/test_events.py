@@ -1,0 +1,238 @@
+"""GET /v1/events (minillm/serve/events.py, live.py): the ring buffer alone, then a real server read with httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from test_serve import metrics, running_server
+
+from minillm.serve.events import EventBus, TooManySubscribers
+
+MODEL = "smollm2-135m-instruct"
+
+
+# --- the ring alone (no model) ------------------------------------------------------------------
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_ring_resume_unknown_id_cap_and_drop():
+    async def body():
+        lines = []
+        bus = EventBus(capacity=4, max_subscribers=2, log=lines.append)
+        assert not bus.active
+        for i in range(6):
+            bus.publish("step", {"step": i})  # ids 1..6; the ring keeps 3..6
+        sub, note = bus.subscribe("4", "a")
+        assert note == ": minillm events: resuming after Last-Event-ID 4\n\n"
+        assert [json.loads(f.decode().split("data: ")[1])["step"] for f in bus.take(sub)] == [4, 5]
+        other, note = bus.subscribe("1", "b")  # id 1 left the ring
+        assert "Last-Event-ID '1' is not in the ring (the ring keeps ids 3..6)" in note
+        assert bus.take(other)[0].startswith(b"id: 3\n")
+        with pytest.raises(TooManySubscribers, match="2 event streams are open"):
+            bus.subscribe(None, "c")
+        for i in range(6, 12):  # `sub` reads nothing meanwhile: its next event (7) leaves the ring
+            bus.publish("step", {"step": i})
+        await asyncio.sleep(0)  # the wake-up runs on the loop
+        assert sub.dropped is not None and other.dropped is not None and not bus.active
+        assert lines[0].startswith("events: dropped subscriber #1 (a): it fell behind: 2 events")
+
+    run(body())
+
+
+def test_ui_without_its_file_is_a_404_naming_why(tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from minillm.serve import app as app_module
+
+    monkeypatch.setattr(app_module, "UI_PAGE", tmp_path / "missing" / "ui.html")
+    worker = SimpleNamespace(metrics=SimpleNamespace(), events=EventBus())
+    r = TestClient(app_module.create_app(worker, MODEL)).get("/ui")
+    assert r.status_code == 404
+    error = r.json()["error"]
+    assert error["code"] == "ui_not_installed" and "missing" in error["message"] and "reinstall" in error["message"]
+
+
+# --- a real server ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    flags = ("--events-buffer", "48", "--max-event-subscribers", "24", "-v", "quiet")
+    with running_server(tmp_path_factory.mktemp("events"), *flags) as (url, log):
+        yield url, log
+
+
+class Reader:
+    """A subscriber on its own thread: every event (with its id) and comment it receives."""
+
+    def __init__(self, url: str, last_id: str | None = None):
+        self.events, self.comments, self.stop = [], [], threading.Event()
+        headers = {"Last-Event-ID": last_id} if last_id is not None else {}
+        self.thread = threading.Thread(target=self._read, args=(url, headers), daemon=True)
+        self.thread.start()
+
+    def _read(self, url, headers):
+        try:
+            self._lines(url, headers)
+        except httpx.HTTPError:  # the server stopped at the end of the module
+            pass
+
+    def _lines(self, url, headers):
+        with httpx.stream("GET", url + "/v1/events", headers=headers, timeout=None) as r:
+            eid = None
+            for line in r.iter_lines():
+                if line.startswith(":"):
+                    self.comments.append(line)
+                elif line.startswith("id: "):
+                    eid = int(line[4:])
+                elif line.startswith("data: "):
+                    self.events.append((eid, json.loads(line[6:])))
+                if self.stop.is_set():
+                    return
+
+    def wait(self, done, timeout=300.0):
+        deadline = time.monotonic() + timeout
+        while not done(self.events):
+            assert time.monotonic() < deadline, f"timed out; last events {self.events[-3:]}"
+            time.sleep(0.02)
+
+
+def chat(url, prompt, max_tokens, **extra):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    return httpx.post(url + "/v1/chat/completions", json={**body, "temperature": 0, **extra}, timeout=300).json()
+
+
+def concurrently(fn, args):
+    out = [None] * len(args)
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(*args[i]))) for i in range(len(args))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def finished(ids):
+    return lambda evs: {e["id"] for _, e in evs if e["type"] == "request.finished"} >= set(ids)
+
+
+@pytest.mark.slow
+def test_three_requests_stream_in_order_and_reconnect_gets_what_it_missed(server):
+    url, _ = server
+    a, b = Reader(url), Reader(url)
+    time.sleep(0.5)
+    prompts = [("What is the capital of France?", 6), ("Name a colour.", 6), ("Say hi.", 6)]
+    answers = concurrently(lambda p, n: chat(url, p, n), prompts)
+    rids = [r["id"] for r in answers]
+    a.wait(finished(rids))
+    ids = [i for i, _ in a.events]
+    assert ids == list(range(ids[0], ids[0] + len(ids)))  # increasing, none missing
+    evs = [e for _, e in a.events]
+    steps = [e for e in evs if e["type"] == "step"]
+    assert any({r["id"] for r in s["rows"]} == set(rids) for s in steps)  # one step batched all three
+    for rid, answer in zip(rids, answers, strict=True):
+        mine = [e for e in evs if e.get("id") == rid]
+        kinds = [e["type"] for e in mine]
+        assert kinds[0] == "request.queued" and kinds[1] == "request.admitted" and kinds[-1] == "request.finished"
+        usage = answer["usage"]
+        admitted, end = mine[1], mine[-1]
+        assert admitted["prompt_tokens"] == end["prompt_tokens"] == usage["prompt_tokens"]
+        tokens = [e for e in mine if e["type"] == "request.token"]
+        assert [t["n"] for t in tokens] == list(range(usage["completion_tokens"]))
+        assert "".join(t["text"] for t in tokens) == answer["choices"][0]["message"]["content"]
+        # the step rows are the scheduler's batch: its prompt went in once, then one decode row per token
+        rows = [r for s in steps for r in s["rows"] if r["id"] == rid]
+        fed = sum(r["tokens"] for r in rows if r["phase"] == "prefill")
+        assert fed == usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+        assert sum(r["phase"] == "decode" for r in rows) == usage["completion_tokens"] - 1
+        token_steps = [t["step"] for t in tokens]
+        assert token_steps == [s["step"] for s in steps for r in s["rows"] if r["id"] == rid][-len(tokens) :]
+        trace = httpx.get(f"{url}/v1/traces/{rid}").json()["events"]
+        decodes = [e["data"] for e in trace if e["phase"] == "decode"]
+        assert [t["top"] for t in tokens[1:]] == [d["candidates"] for d in decodes]
+    # a page that went away misses a request; reconnecting with Last-Event-ID gets exactly that
+    a.stop.set()
+    last = a.events[-1][0]
+    missed = chat(url, "Count to three.", 4)
+    b.wait(finished([missed["id"]]))
+    again = Reader(url, last_id=str(last))
+    again.wait(lambda evs: len(evs) >= len([e for e in b.events if e[0] > last]))
+    assert again.events == [e for e in b.events if e[0] > last]
+    assert again.comments[0] == f": minillm events: resuming after Last-Event-ID {last}"
+    unknown = Reader(url, last_id="999999")
+    unknown.wait(lambda evs: len(evs) >= 1)
+    assert "Last-Event-ID '999999' is not in the ring" in unknown.comments[0]
+    assert "starting from the oldest kept event" in unknown.comments[0]
+    for r in (b, again, unknown):
+        r.stop.set()
+
+
+@pytest.mark.slow
+def test_slow_motion_holds_one_request_and_pool_equals_metrics(server):
+    url, _ = server
+    reader = Reader(url)
+    time.sleep(0.3)
+    before = metrics(url)
+    done = {}
+    t = threading.Thread(target=lambda: done.update(chat(url, "Say yes.", 3, slow_motion_s=2.0)))
+    t.start()
+    # while the only request sits out its 2 s, the pool cannot change: its last event equals /metrics
+    reader.wait(lambda evs: any(e["type"] == "pool" and e["blocks_used"] > 0 for _, e in evs))
+    pool = [e for _, e in reader.events if e["type"] == "pool"][-1]
+    now = metrics(url)
+    assert pool["blocks_used"] * pool["bytes_per_block"] == now["minillm_kv_cache_bytes_reserved"]
+    assert pool["blocks_used"] == sum(len(t) for t in pool["tables"].values()) - _shared(pool["tables"])
+    t.join()
+    steps = [e for _, e in reader.events if e["type"] == "step" and done["id"] in [r["id"] for r in e["rows"]]]
+    # shown as held after each step but the last (it ended there)
+    assert len(steps) == 3 and all(done["id"] in s["held"] for s in steps[:-1]) and done["id"] not in steps[-1]["held"]
+    after = metrics(url)  # never counted in the latency metrics
+    for name in ("minillm_time_to_first_token_seconds_count", "minillm_e2e_request_latency_seconds_count"):
+        assert after[name] == before[name]
+    assert after["minillm_generation_tokens_total"] == before["minillm_generation_tokens_total"] + 3
+    reader.stop.set()
+
+
+def _shared(tables: dict) -> int:
+    blocks = [b for t in tables.values() for b in t]
+    return len(blocks) - len(set(blocks))
+
+
+def stuck_subscriber(url: str) -> socket.socket:
+    """A client that asks for the stream and never reads (a tiny receive buffer fills at once)."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.connect((host, int(port)))
+    s.sendall(f"GET /v1/events HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    return s
+
+
+def greedy_ids(url, answers):
+    out = []
+    for a in answers:
+        decodes = [e["data"] for e in httpx.get(f"{url}/v1/traces/{a['id']}").json()["events"] if e["phase"] == "decode"]
+        out.append([decodes[0]["input_token"]] + [d["token"] for d in decodes])
+    return out
+
+
+@pytest.mark.slow
+def test_20_subscribers_that_never_read_change_no_token(server):
+    url, _ = server
+    prompt = "Write a long story about a lighthouse keeper and the sea. " * 30
+    args = [(prompt + str(i), 40) for i in range(3)]
+    alone = greedy_ids(url, concurrently(lambda p, n: chat(url, p, n), args))
+    stuck = [stuck_subscriber(url) for _ in range(20)]
+    time.sleep(0.5)
+    watched = greedy_ids(url, concurrently(lambda p, n: chat(url, p, n), args))
+    assert watched == alone
+    for s in stuck:
+        s.close()
+    # (that a stuck reader is dropped with a logged reason is checked on the ring itself above:
+    # test_ring_resume_unknown_id_cap_and_drop; here the kernel's socket buffers absorb these events)
