@@ -42,7 +42,8 @@ def test_ring_resume_unknown_id_cap_and_drop():
             bus.publish("step", {"step": i})
         await asyncio.sleep(0)  # the wake-up runs on the loop
         assert sub.dropped is not None and other.dropped is not None and not bus.active
-        assert lines[0].startswith("events: dropped subscriber #1 (a): it fell behind: 2 events")
+        assert len(lines) == 2  # both fell behind; the order they are dropped in is not the point
+        assert sorted(lines)[0].startswith("events: dropped subscriber #1 (a): it fell behind: 2 events")
 
     run(body())
 
