@@ -7,8 +7,8 @@ take. :func:`measure_machine` measures the rates in a few seconds; :func:`machin
 under minillm's cache folder, keyed by a fingerprint of the machine (CPU, cores, memory, NumPy,
 BLAS and its threads), so they are measured once per machine (``minillm calibrate`` redoes it).
 A measurement taken while other processes kept half a core or more busy (:attr:`Machine.busy`)
-describes the neighbours as much as the machine: it is used for the request at hand but never kept
-as the machine's, so the next use measures again (``$MINILLM_CALIBRATION`` moves the file: the
+describes the neighbours as much as the machine: this process uses it, but it is never kept as the
+machine's, so the next process (or ``minillm calibrate``) measures again (``$MINILLM_CALIBRATION`` moves the file: the
 test suite points it at a file of its own, so no test reads a user's cached rates).
 
 The rates, each the best of a few runs (the best is the closest to what the hardware gives):
@@ -292,6 +292,10 @@ def machine_cached() -> tuple[Machine, bool]:
     return m, bool(measured)
 
 
+#: Busy measurements by fingerprint key: used again in this process, never written to the file.
+_BUSY: dict[str, Machine] = {}
+
+
 def machine(*, remeasure: bool = False, on_measure=None) -> Machine:
     """This machine's rates: from the cache when its fingerprint matches, else measured and cached.
 
@@ -301,8 +305,9 @@ def machine(*, remeasure: bool = False, on_measure=None) -> Machine:
 
     The cache is :func:`calibration_file`, one entry per fingerprint (so runs with 1 and 2 BLAS
     threads each have theirs); an unreadable or old file is measured over, an unwritable one costs a
-    measurement next time. A measurement on a busy machine (:attr:`Machine.busy`) is returned but
-    not cached, and a busy entry left by an older version is measured over.
+    measurement next time. A measurement on a busy machine (:attr:`Machine.busy`) is kept for this
+    process only, never in the file (the next process measures again), and a busy entry left in the
+    file by an older version is measured over.
     """
     fp = fingerprint()
     key = fingerprint_key(fp)
@@ -317,11 +322,14 @@ def machine(*, remeasure: bool = False, on_measure=None) -> Machine:
         kept = Machine(**cached["machines"][key])
         if not kept.busy:
             return kept
+    if not remeasure and key in _BUSY:
+        return _BUSY[key]
     if on_measure is not None:
         on_measure()
     m = measure_machine()
-    if m.busy:
-        return m  # the neighbours' figures, not this machine's: measured again next time
+    if m.busy:  # the neighbours' figures, not this machine's: this process uses them, the file never
+        _BUSY[key] = m  # (a server would otherwise pause every request to measure again)
+        return m
     cached["machines"][key] = asdict(m)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
