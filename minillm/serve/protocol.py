@@ -22,6 +22,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with usage (and no choices)
 
 
+class TestFault(BaseModel):
+    """The test hook of ``minillm serve --test-faults`` (``reliability.py``): raise on purpose."""
+
+    stage: Literal["sampler", "detokenizer", "stop"]
+    at_token: int = Field(1, ge=1, le=100_000, description="raise while making this new token (1 = the first)")
+
+
 class SamplingFields(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -39,6 +46,7 @@ class SamplingFields(BaseModel):
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0 = off)")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    minillm_test_fault: TestFault | None = Field(None, description="test hook; refused unless --test-faults")
 
 
 class ChatMessage(BaseModel):

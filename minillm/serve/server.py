@@ -8,7 +8,8 @@ from rich.console import Console
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Serve until Ctrl-C; returns the exit status (2 for a bad flag).
+    """Serve until SIGTERM or Ctrl-C; returns the exit status: 0 after a drain (``shutdown.py``),
+    1 when a second signal cut it short, 2 for a bad flag.
 
     The socket listens at once; the model loads on the worker thread (GET /health: 503, then 200).
     """
@@ -16,6 +17,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .metrics import ServerMetrics
+    from .reliability import Guard
+    from .shutdown import DrainingServer
     from .worker import Worker
 
     err = Console(stderr=True)
@@ -30,15 +33,20 @@ def run_server(args: argparse.Namespace) -> int:
         (args.kv_cache_mib > 0, "--kv-cache-mib must be > 0"),
         (args.max_batched_tokens >= 1, "--max-batched-tokens must be >= 1"),
         (args.block_size >= 1, "--block-size must be >= 1"),
+        (args.shutdown_timeout >= 0, "--shutdown-timeout must be >= 0 seconds"),
+        (args.stream_buffer >= 1, "--stream-buffer must be >= 1 chunks"),
+        (args.max_request_bytes >= 1, "--max-request-bytes must be >= 1"),
+        (args.max_header_bytes >= 1024, "--max-header-bytes must be >= 1024"),
     ]
     for ok, message in checks:
         if not ok:
             err.print(f"[bold red]error:[/] {message}")
             return 2
     console = Console(highlight=False)
+    metrics = ServerMetrics()
     worker = Worker(
         args.model,
-        metrics=ServerMetrics(),
+        metrics=metrics,
         max_queue=args.max_queue,
         request_timeout_s=args.request_timeout,
         max_seq_len=args.max_seq_len,
@@ -52,12 +60,25 @@ def run_server(args: argparse.Namespace) -> int:
         kv_cache_mib=args.kv_cache_mib,
         max_batched_tokens=args.max_batched_tokens,
         block_size=args.block_size,
+        guard=Guard(metrics, stream_buffer=args.stream_buffer, test_faults=args.test_faults),
     )
     served = args.served_model_name or args.model
-    app = create_app(worker, served)
+    app = create_app(worker, served, max_request_bytes=args.max_request_bytes)
     console.print(
         f"minillm serve: {served} on http://{args.host}:{args.port} (loading in the background; "
         "GET /health answers 200 when ready)"
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
-    return 0
+    if args.test_faults:
+        console.print("minillm serve: --test-faults: requests may ask for an injected fault (tests only)")
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=2,  # after the drain: only the last bytes of answers are left to send
+        http="h11",  # its header limit is the one --max-header-bytes sets
+        h11_max_incomplete_event_size=args.max_header_bytes,
+    )
+    server = DrainingServer(config, worker.guard, args.shutdown_timeout, console)
+    server.run()
+    return 1 if server.forced else 0

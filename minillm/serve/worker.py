@@ -33,6 +33,7 @@ from minillm.runtime.loading import run_warmup
 from minillm.runtime.scheduler import BatchRequest, Scheduler
 
 from .metrics import ServerMetrics
+from .reliability import Guard, GuardedRequest
 
 # How the trace shows whitespace in a piece ('␣capital'); undone to give a token's text back.
 _INVISIBLE = str.maketrans({"␣": " ", "↵": "\n", "⇥": "\t", "␍": "\r"})
@@ -59,6 +60,7 @@ class Job:
     channel: asyncio.Queue
     cancel: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)  # seconds (perf_counter)
+    fault: dict | None = None  # --test-faults only: {"stage": ..., "at_token": N} (reliability.py)
 
     def send(self, kind: str, value) -> None:
         """Hand an item to the event loop thread-safely (never blocks the worker)."""
@@ -130,6 +132,7 @@ class Worker:
         kv_cache_mib: float = 512.0,
         max_batched_tokens: int = 512,
         block_size: int = 16,
+        guard: Guard | None = None,
     ):
         self.model_name = model_name
         self.metrics = metrics
@@ -156,11 +159,15 @@ class Worker:
         self._ids = itertools.count()
         self._indices = itertools.count()  # the scheduler's request numbers
         metrics.bind(self)
+        self.thread: threading.Thread | None = None
+        self.guard = guard or Guard(metrics)  # fault isolation, backpressure, shutdown (reliability.py)
+        self.guard.counters.bind(self)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         """Start the worker thread: load (and warm up) the model, then serve the queue."""
-        threading.Thread(target=self._run, name="minillm-worker", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="minillm-worker", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         self.status = "loading"
@@ -183,6 +190,7 @@ class Worker:
         self.status = "ready"
         while True:
             self._take_jobs(block=not self.scheduler.has_work())
+            self.guard.between_steps(self)
             if self.scheduler.has_work():
                 try:
                     self.scheduler.step()
@@ -238,7 +246,10 @@ class Worker:
             except queue.Empty:
                 return
             block = False
-            self._admit(job)
+            try:
+                self._admit(job)
+            except Exception as exc:  # noqa: BLE001 - a bug: answer this client, keep the worker alive
+                self.guard.bug(self, job, "admission", exc)
 
     def _admit(self, job: Job) -> None:
         wait = time.perf_counter() - job.arrival
@@ -256,7 +267,7 @@ class Worker:
             timeout = None
             if self.request_timeout_s is not None:  # the deadline counts from arrival: queue wait included
                 timeout = max(self.request_timeout_s - wait, 1e-6)
-            request = BatchRequest(
+            request = GuardedRequest(
                 self.model,
                 job.prompt,
                 job.params,
@@ -269,6 +280,7 @@ class Worker:
                 stop=job.stop,
                 timeout_s=timeout,
                 cancel=job.cancel,
+                fault=job.fault,
             )
             self.scheduler.add(request)  # refuses a request the pool could never hold (400)
         except minillm.MiniLLMError as exc:  # a request the runtime refuses: the client gets a 400
@@ -280,12 +292,16 @@ class Worker:
     def _publish(self) -> None:
         """Send each request's new text; answer the ones that finished."""
         for index, a in list(self.active.items()):
-            for delta in a.request.deltas[a.sent :]:
+            for delta in a.request.deltas[a.sent :] if not self.guard.shed(a) else ():
                 a.job.send("delta", delta)
             a.sent = len(a.request.deltas)
             if a.request.result is not None:
                 del self.active[index]
-                self._done(a)
+                try:
+                    if not self.guard.failed(self, a):
+                        self._done(a)
+                except Exception as exc:  # noqa: BLE001 - a bug answering it: that client gets a 500
+                    self.guard.bug(self, a.job, "answer", exc)
 
     def _fail_all(self, exc: Exception) -> None:
         for index, a in list(self.active.items()):
