@@ -120,6 +120,14 @@ def _add_reliability_flags(s) -> None:
         help="text chunks a stream may have waiting for a slow client; past it the request is cancelled (default 256)",
     )
     s.add_argument(
+        "--socket-send-buffer",
+        type=int,
+        default=16384,
+        metavar="BYTES",
+        help="kernel send buffer of each connection (SO_SNDBUF; Linux doubles it); small, so a slow reader "
+        "is noticed by --stream-buffer (default 16384)",
+    )
+    s.add_argument(
         "--max-request-bytes",
         type=int,
         default=4 * 2**20,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
 from rich.console import Console
 
@@ -18,7 +19,7 @@ def run_server(args: argparse.Namespace) -> int:
     from .app import create_app
     from .metrics import ServerMetrics
     from .reliability import Guard
-    from .shutdown import DrainingServer
+    from .shutdown import DrainingServer, SmallBufferH11
     from .worker import Worker
 
     err = Console(stderr=True)
@@ -37,6 +38,7 @@ def run_server(args: argparse.Namespace) -> int:
         (args.stream_buffer >= 1, "--stream-buffer must be >= 1 chunks"),
         (args.max_request_bytes >= 1, "--max-request-bytes must be >= 1"),
         (args.max_header_bytes >= 1024, "--max-header-bytes must be >= 1024"),
+        (args.socket_send_buffer >= 4096, "--socket-send-buffer must be >= 4096 bytes"),
     ]
     for ok, message in checks:
         if not ok:
@@ -76,9 +78,13 @@ def run_server(args: argparse.Namespace) -> int:
         port=args.port,
         log_level="warning",
         timeout_graceful_shutdown=2,  # after the drain: only the last bytes of answers are left to send
-        http="h11",  # its header limit is the one --max-header-bytes sets
+        http=SmallBufferH11,  # uvicorn's h11: its header limit is the one --max-header-bytes sets
         h11_max_incomplete_event_size=args.max_header_bytes,
     )
     server = DrainingServer(config, worker.guard, args.shutdown_timeout, console)
-    server.run()
+    sock = config.bind_socket()
+    # Accepted connections inherit it: what the kernel holds for a slow reader stays small, so the
+    # stream's own buffer (--stream-buffer) fills and the request is shed instead of piling up.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, args.socket_send_buffer)
+    server.run(sockets=[sock])
     return 1 if server.forced else 0

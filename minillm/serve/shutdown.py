@@ -18,6 +18,20 @@ import threading
 import time
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+#: bytes the event loop holds for one connection before a stream's writes wait for the client
+#: (asyncio's default is 64 KiB); the stream's chunks then wait in its channel (--stream-buffer)
+WRITE_BUFFER_HIGH = 16384
+
+
+class SmallBufferH11(H11Protocol):
+    """uvicorn's h11 protocol with a smaller transport write buffer (:data:`WRITE_BUFFER_HIGH`), so a
+    client that stops reading is noticed after a few hundred chunks, not after thousands."""
+
+    def connection_made(self, transport) -> None:
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
+        super().connection_made(transport)
 
 
 class DrainingServer(uvicorn.Server):
