@@ -227,7 +227,7 @@ def _inject(request: GuardedRequest, stage: str, at_token: int) -> None:
 
     def boom():
         exc = InjectedFault(f"injected by --test-faults in the {stage} at token {at_token}")
-        exc.stage = stage
+        exc.stage = "stop chain" if stage == "stop" else stage
         raise exc
 
     if stage == "sampler":
