@@ -190,7 +190,7 @@ def test_an_injected_fault_ends_only_its_request(fault_server):
 
     url, _ = fault_server
     client = openai_client(url)
-    prompts = [f"Tell me a fact about the number {i}." for i in range(8)]
+    prompts = [f"Story {i}: Once upon a time" for i in range(8)]
 
     def ask(i: int, fault: dict | None = None):
         extra = {"extra_body": {"minillm_test_fault": fault}} if fault else {}
@@ -198,6 +198,7 @@ def test_an_injected_fault_ends_only_its_request(fault_server):
         return out.choices[0].text
 
     alone = [ask(i) for i in range(8)]
+    assert all(alone)  # text, so the fault at token 4 is reached
     before = metrics(url)
     fault = {"stage": "detokenizer", "at_token": 4}
     threads, results, errors = in_threads(ask, [(i, fault if i == 5 else None) for i in range(8)])

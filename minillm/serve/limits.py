@@ -12,9 +12,37 @@ bytes of text, so a prompt of ``b`` bytes has at least ``ceil(b / max_token_byte
 
 from __future__ import annotations
 
+import json
 import math
 
+from . import protocol as p
+
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+
+
+class DeclaredLengthLimit:
+    """ASGI wrapper around the whole app: a ``Content-Length`` over ``max_bytes`` gets 413 in OpenAI's
+    shape before any byte of the body is read. (Starlette's limiter, inside, answers that case in
+    plain text; a chunked body without a length still meets it, and app.py words its 413.)"""
+
+    def __init__(self, app, max_bytes: int, on_refused=None):
+        self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
+
+    async def __call__(self, scope, receive, send):
+        length = dict(scope.get("headers") or []).get(b"content-length", b"") if scope["type"] == "http" else b""
+        if not (length.isdigit() and int(length) > self.max_bytes):
+            return await self.app(scope, receive, send)
+        if self.on_refused is not None:
+            self.on_refused()
+        message = (
+            f"the request body is {int(length):,} bytes but this server accepts at most {self.max_bytes:,} bytes "
+            "(minillm serve --max-request-bytes); send a shorter prompt"
+        )
+        error = p.ErrorInfo(message=message, type="invalid_request_error", code="request_too_large")
+        data = json.dumps(p.ErrorResponse(error=error).model_dump()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
 
 
 def max_token_bytes(tokenizer) -> int:

@@ -17,6 +17,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .limits import DeclaredLengthLimit
     from .metrics import ServerMetrics
     from .reliability import Guard
     from .shutdown import DrainingServer, SmallBufferH11
@@ -72,8 +73,9 @@ def run_server(args: argparse.Namespace) -> int:
     )
     if args.test_faults:
         console.print("minillm serve: --test-faults: requests may ask for an injected fault (tests only)")
+    refused = worker.guard.counters.refused.labels(reason="body_too_large")
     config = uvicorn.Config(
-        app,
+        DeclaredLengthLimit(app, args.max_request_bytes, on_refused=refused.inc),
         host=args.host,
         port=args.port,
         log_level="warning",
