@@ -308,7 +308,8 @@ def test_a_300_request_soak_leaks_no_blocks_threads_or_descriptors(tmp_path, cal
     result = json.loads(out.read_text())
     assert [r["blocks_used"] for r in result["phases"]] == [0, 0, 0]
     assert [r["tracked"] for r in result["phases"]] == [0, 0, 0]
-    assert len({r["threads"] for r in result["phases"]}) == 1 and len({r["fds"] for r in result["phases"]}) == 1
+    first = result["phases"][0]
+    assert all(r["threads"] <= first["threads"] and r["fds"] <= first["fds"] for r in result["phases"])
     assert sum(result["outcomes"].values()) == 300
     assert not [k for k in result["outcomes"] if "5xx" in k and not k.startswith("fault")]
     assert result["exit"] == 0
