@@ -99,6 +99,7 @@ def add_commands(sub) -> None:
         help="event streams (live pages) open at once; one more gets 503 (default 32)",
     )
     s.add_argument("--open", action="store_true", help="print the live page's URL (GET /ui) and open it in a browser")
+    _add_reliability_flags(s)
     s.add_argument("--debug", action="store_true")
     s.set_defaults(run_command=_serve)
 
@@ -115,6 +116,52 @@ def add_commands(sub) -> None:
     b.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="HTTP timeout per request")
     b.add_argument("--debug", action="store_true")
     b.set_defaults(run_command=_bench)
+
+
+def _add_reliability_flags(s) -> None:
+    """Shutdown, backpressure, size limits and the fault hook (``shutdown.py``, ``reliability.py``, ``limits.py``)."""
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="after SIGTERM/SIGINT, how long requests in flight may still run; then they are cancelled "
+        "(default 30); a second signal exits at once",
+    )
+    s.add_argument(
+        "--stream-buffer",
+        type=int,
+        default=256,
+        metavar="N",
+        help="text chunks a stream may have waiting for a slow client; past it the request is cancelled (default 256)",
+    )
+    s.add_argument(
+        "--socket-send-buffer",
+        type=int,
+        default=16384,
+        metavar="BYTES",
+        help="kernel send buffer of each connection (SO_SNDBUF; Linux doubles it); small, so a slow reader "
+        "is noticed by --stream-buffer (default 16384)",
+    )
+    s.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 2**20,
+        metavar="N",
+        help="largest request body; beyond, 413 (default 4 MiB)",
+    )
+    s.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=16384,
+        metavar="N",
+        help="largest request head (uvicorn h11's limit; beyond, 400) (default 16384)",
+    )
+    s.add_argument(
+        "--test-faults",
+        action="store_true",
+        help="accept the minillm_test_fault request field, which raises inside that request on purpose (tests)",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -37,6 +37,8 @@ import minillm
 
 from . import protocol as p
 from .events import EventStreamResponse, TooManySubscribers
+from .limits import DEFAULT_MAX_REQUEST_BYTES, max_token_bytes, prompt_too_long
+from .reliability import Channel, MiniLLMBug
 from .worker import Job, Outcome, QueueFullError, Worker
 
 FINISH_REASON = {
@@ -75,8 +77,9 @@ class APIError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
-def create_app(worker: Worker, served_model: str) -> FastAPI:
-    """The FastAPI app for one worker. ``served_model`` is the name clients pass as ``model``."""
+def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app for one worker. ``served_model`` is the name clients pass as ``model``;
+    a body over ``max_request_bytes`` is refused with 413 (``limits.py``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -88,7 +91,9 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
         version=minillm.__version__,
         lifespan=lifespan,
         description="An OpenAI-compatible server for minillm (one worker thread, requests in arrival order).",
+        max_body_size=max_request_bytes,  # Starlette's RequestBodyLimitMiddleware: 413 past it
     )
+    refused = worker.guard.counters.refused
 
     # --- errors: always OpenAI's shape, never FastAPI's 422 ------------------------------------
     @app.exception_handler(APIError)
@@ -101,6 +106,14 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 413:
+            refused.labels(reason="body_too_large").inc()
+            return APIError(
+                413,
+                f"the request body is over {max_request_bytes:,} bytes, the most this server accepts "
+                "(minillm serve --max-request-bytes); send a shorter prompt",
+                code="request_too_large",
+            ).response()
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type_).response()
 
@@ -111,6 +124,9 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
     # --- endpoints ---------------------------------------------------------------------------
     @app.get("/health")
     async def health():
+        if worker.guard.draining:
+            body = {"status": "draining", "model": served_model, "in_flight": len(worker.guard.in_flight)}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         body = {"status": worker.status, "model": served_model}
         if worker.status == "loading" and worker.startup_delay_s > 0:
             body["note"] = f"startup delayed on purpose by --startup-delay {worker.startup_delay_s:g} s"
@@ -184,6 +200,7 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
             worker.submit(job)
         except QueueFullError as exc:
             worker.metrics.rejected.inc()
+            refused.labels(reason="queue_full").inc()
             raise APIError(
                 429,
                 f"server busy: {exc}; retry after {RETRY_AFTER_S} s",
@@ -191,6 +208,7 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from None
+        worker.guard.track(job)  # in flight until its end is sent (a shutdown waits for it)
         # The client leaving (at any time) sets the job's cancel flag; the worker checks it per step.
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         headers = {"x-request-id": request_id}
@@ -238,8 +256,30 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
             "model",
             "model_not_found",
         )
+    guard = worker.guard
+    if guard.draining:
+        guard.counters.refused.labels(reason="draining").inc()
+        raise APIError(
+            503,
+            f"the server is shutting down (draining the requests in flight); retry after {RETRY_AFTER_S} s "
+            "against a server that is up",
+            "service_unavailable",
+            code="draining",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if worker.status != "ready":
         raise APIError(503, f"the model is {worker.status}; wait for GET /health to answer 200", "service_unavailable")
+    if body.minillm_test_fault is not None and not guard.test_faults:
+        raise APIError(
+            400,
+            "minillm_test_fault is a test hook: start the server with --test-faults to use it",
+            param="minillm_test_fault",
+        )
+    if guard.token_bytes is None:
+        guard.token_bytes = max_token_bytes(worker.model.tokenizer)
+    if (message := prompt_too_long(prompt, worker.context, guard.token_bytes)) is not None:
+        guard.counters.refused.labels(reason="prompt_too_long").inc()
+        raise APIError(400, message, param="messages" if chat else "prompt", code="context_length_exceeded")
     if max_tokens is not None and max_tokens > worker.context:
         raise APIError(
             400,
@@ -261,8 +301,9 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         stop or None,
         top_logprobs,
         asyncio.get_running_loop(),
-        asyncio.Queue(),
+        Channel(guard, request_id),
         slow_motion_s=body.slow_motion_s,
+        fault=body.minillm_test_fault.model_dump() if body.minillm_test_fault is not None else None,
     )
 
 
@@ -279,6 +320,8 @@ def _runtime_error(exc: Exception) -> APIError:
     """A MiniLLMError the runtime raised (its message names the fix) -> 400; anything else -> 500."""
     if isinstance(exc, minillm.MiniLLMError):
         return APIError(400, f"{type(exc).__name__}: {exc}", code=type(exc).__name__)
+    if isinstance(exc, MiniLLMBug):
+        return APIError(500, str(exc), "internal_error", code="minillm_bug")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
 
 

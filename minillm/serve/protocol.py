@@ -22,6 +22,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with usage (and no choices)
 
 
+class TestFault(BaseModel):
+    """The test hook of ``minillm serve --test-faults`` (``reliability.py``): raise on purpose."""
+
+    stage: Literal["sampler", "detokenizer", "stop"]
+    at_token: int = Field(1, ge=1, le=100_000, description="raise while making this new token (1 = the first)")
+
+
 class SamplingFields(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -46,6 +53,7 @@ class SamplingFields(BaseModel):
         description="seconds this request sits out after each of its steps (the live page's slow motion; "
         "other requests keep their pace; its latencies are left out of /metrics)",
     )
+    minillm_test_fault: TestFault | None = Field(None, description="test hook; refused unless --test-faults")
 
 
 class ChatMessage(BaseModel):

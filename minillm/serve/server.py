@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
 from rich.console import Console
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Serve until Ctrl-C; returns the exit status (2 for a bad flag).
+    """Serve until SIGTERM or Ctrl-C; returns the exit status: 0 after a drain (``shutdown.py``),
+    1 when a second signal cut it short, 2 for a bad flag.
 
     The socket listens at once; the model loads on the worker thread (GET /health: 503, then 200).
     """
@@ -16,7 +18,10 @@ def run_server(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .events import EventBus
+    from .limits import DeclaredLengthLimit
     from .metrics import ServerMetrics
+    from .reliability import Guard
+    from .shutdown import DrainingServer, SmallBufferH11
     from .worker import Worker
 
     err = Console(stderr=True)
@@ -33,15 +38,21 @@ def run_server(args: argparse.Namespace) -> int:
         (args.block_size >= 1, "--block-size must be >= 1"),
         (args.events_buffer >= 1, "--events-buffer must be >= 1"),
         (args.max_event_subscribers >= 1, "--max-event-subscribers must be >= 1"),
+        (args.shutdown_timeout >= 0, "--shutdown-timeout must be >= 0 seconds"),
+        (args.stream_buffer >= 1, "--stream-buffer must be >= 1 chunks"),
+        (args.max_request_bytes >= 1, "--max-request-bytes must be >= 1"),
+        (args.max_header_bytes >= 1024, "--max-header-bytes must be >= 1024"),
+        (args.socket_send_buffer >= 4096, "--socket-send-buffer must be >= 4096 bytes"),
     ]
     for ok, message in checks:
         if not ok:
             err.print(f"[bold red]error:[/] {message}")
             return 2
     console = Console(highlight=False)
+    metrics = ServerMetrics()
     worker = Worker(
         args.model,
-        metrics=ServerMetrics(),
+        metrics=metrics,
         max_queue=args.max_queue,
         request_timeout_s=args.request_timeout,
         max_seq_len=args.max_seq_len,
@@ -56,17 +67,35 @@ def run_server(args: argparse.Namespace) -> int:
         max_batched_tokens=args.max_batched_tokens,
         block_size=args.block_size,
         events=EventBus(args.events_buffer, args.max_event_subscribers, log=console.print),
+        guard=Guard(metrics, stream_buffer=args.stream_buffer, test_faults=args.test_faults),
     )
     served = args.served_model_name or args.model
-    app = create_app(worker, served)
+    app = create_app(worker, served, max_request_bytes=args.max_request_bytes)
     console.print(
         f"minillm serve: {served} on http://{args.host}:{args.port} (loading in the background; "
         "GET /health answers 200 when ready)"
     )
     if args.open:
         _open_page(console, f"http://{args.host}:{args.port}/ui")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
-    return 0
+    if args.test_faults:
+        console.print("minillm serve: --test-faults: requests may ask for an injected fault (tests only)")
+    refused = worker.guard.counters.refused.labels(reason="body_too_large")
+    config = uvicorn.Config(
+        DeclaredLengthLimit(app, args.max_request_bytes, on_refused=refused.inc),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=2,  # after the drain: only the last bytes of answers are left to send
+        http=SmallBufferH11,  # uvicorn's h11: its header limit is the one --max-header-bytes sets
+        h11_max_incomplete_event_size=args.max_header_bytes,
+    )
+    server = DrainingServer(config, worker.guard, args.shutdown_timeout, console)
+    sock = config.bind_socket()
+    # Accepted connections inherit it: what the kernel holds for a slow reader stays small, so the
+    # stream's own buffer (--stream-buffer) fills and the request is shed instead of piling up.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, args.socket_send_buffer)
+    server.run(sockets=[sock])
+    return 1 if server.forced else 0
 
 
 def _open_page(console: Console, url: str) -> None:

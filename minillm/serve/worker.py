@@ -35,6 +35,7 @@ from minillm.runtime.scheduler import BatchRequest, Scheduler
 from .events import EventBus
 from .live import LiveFeed
 from .metrics import ServerMetrics
+from .reliability import Guard, GuardedRequest
 
 # How the trace shows whitespace in a piece ('␣capital'); undone to give a token's text back.
 _INVISIBLE = str.maketrans({"␣": " ", "↵": "\n", "⇥": "\t", "␍": "\r"})
@@ -62,6 +63,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)  # seconds (perf_counter)
     slow_motion_s: float = 0.0  # seconds it sits out after each of its steps (the live page's control)
+    fault: dict | None = None  # --test-faults only: {"stage": ..., "at_token": N} (reliability.py)
 
     def send(self, kind: str, value) -> None:
         """Hand an item to the event loop thread-safely (never blocks the worker)."""
@@ -135,6 +137,7 @@ class Worker:
         max_batched_tokens: int = 512,
         block_size: int = 16,
         events: EventBus | None = None,
+        guard: Guard | None = None,
     ):
         self.model_name = model_name
         self.metrics = metrics
@@ -163,11 +166,15 @@ class Worker:
         self.events = events or EventBus()
         self.live = LiveFeed(self.events)  # builds events only while someone subscribes
         metrics.bind(self)
+        self.thread: threading.Thread | None = None
+        self.guard = guard or Guard(metrics)  # fault isolation, backpressure, shutdown (reliability.py)
+        self.guard.counters.bind(self)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         """Start the worker thread: load (and warm up) the model, then serve the queue."""
-        threading.Thread(target=self._run, name="minillm-worker", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="minillm-worker", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         self.status = "loading"
@@ -195,6 +202,7 @@ class Worker:
         self.live.load("ready", blocks_total=self.pool.num_blocks, bytes_per_block=self.pool.bytes_per_block)
         while True:
             self._take_jobs(block=not self.scheduler.has_work())
+            self.guard.between_steps(self)
             if self.scheduler.has_work():
                 pause = self.scheduler.seconds_until_ready()
                 if pause > 0:  # only slow-motion requests run, all sitting out: wait (a new job ends it)
@@ -258,7 +266,10 @@ class Worker:
             except queue.Empty:
                 return
             block = False
-            self._admit(job)
+            try:
+                self._admit(job)
+            except Exception as exc:  # noqa: BLE001 - a bug: answer this client, keep the worker alive
+                self.guard.bug(self, job, "admission", exc)
 
     def _admit(self, job: Job) -> None:
         wait = time.perf_counter() - job.arrival
@@ -276,7 +287,7 @@ class Worker:
             timeout = None
             if self.request_timeout_s is not None:  # the deadline counts from arrival: queue wait included
                 timeout = max(self.request_timeout_s - wait, 1e-6)
-            request = BatchRequest(
+            request = GuardedRequest(
                 self.model,
                 job.prompt,
                 job.params,
@@ -289,6 +300,7 @@ class Worker:
                 stop=job.stop,
                 timeout_s=timeout,
                 cancel=job.cancel,
+                fault=job.fault,
             )
             request.step_delay_s = job.slow_motion_s
             self.scheduler.add(request)  # refuses a request the pool could never hold (400)
@@ -301,12 +313,16 @@ class Worker:
     def _publish(self) -> None:
         """Send each request's new text; answer the ones that finished."""
         for index, a in list(self.active.items()):
-            for delta in a.request.deltas[a.sent :]:
+            for delta in a.request.deltas[a.sent :] if not self.guard.shed(a) else ():
                 a.job.send("delta", delta)
             a.sent = len(a.request.deltas)
             if a.request.result is not None:
                 del self.active[index]
-                self._done(a)
+                try:
+                    if not self.guard.failed(self, a):
+                        self._done(a)
+                except Exception as exc:  # noqa: BLE001 - a bug answering it: that client gets a 500
+                    self.guard.bug(self, a.job, "answer", exc)
 
     def _fail_all(self, exc: Exception) -> None:
         for index, a in list(self.active.items()):
