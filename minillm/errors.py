@@ -55,7 +55,15 @@ class ChatTemplateError(MiniLLMError):
 
 # --- running a request -----------------------------------------------------------------------
 class ContextWindowExceeded(MiniLLMError):
-    """A prompt (or prompt + cache) is longer than the context the cache / model holds."""
+    """A prompt (or prompt + cache) is longer than the context the cache / model holds.
+
+    ``cli_message`` is the same sentence naming the command line's option (``--max-seq-len``) where
+    the message names the Python argument (``max_seq_len``); the ``minillm`` command prints it.
+    """
+
+    def __init__(self, message: str, *, cli_message: str | None = None):
+        super().__init__(message)
+        self.cli_message = cli_message or message
 
 
 class KVCacheFullError(ContextWindowExceeded):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from minillm.cli.options import add_request_args
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     except MiniLLMError as exc:
         if args.debug:
             raise
-        Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", markup=True, highlight=False)
+        message = getattr(exc, "cli_message", None) or str(exc)  # the option as typed here: --max-seq-len
+        Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {escape(message)}", highlight=False)
         return 2
     except KeyboardInterrupt:
         Console(stderr=True).print("[yellow]interrupted[/]")

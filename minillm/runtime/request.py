@@ -425,19 +425,21 @@ def check_window(n_prompt: int, window: int, context: int, by_cache: bool) -> No
     """The prompt must leave room for at least one new token: ``n_prompt < window``.
 
     Raises:
-        ContextWindowExceeded: with both numbers and the fix.
+        ContextWindowExceeded: with both numbers and the fix; ``cli_message`` names ``--max-seq-len``
+            where the message names the library's ``max_seq_len``.
     """
     if n_prompt < window:
         return
-    fix = (
-        "shorten the prompt"
-        if not by_cache
-        else f"shorten the prompt or pass a larger max_seq_len (the model holds {context:,})"
-    )
-    raise ContextWindowExceeded(
-        f"prompt is {n_prompt:,} tokens but the {'KV cache' if by_cache else 'model'} holds "
-        f"{window:,} positions, which leaves no room for a new token; {fix} to at most {window - 1:,} tokens."
-    )
+
+    def sentence(option: str) -> str:
+        fix = f", or pass a larger {option} (the model holds {context:,})" if by_cache else ""
+        return (
+            f"prompt is {n_prompt:,} tokens but the {'KV cache' if by_cache else 'model'} holds {window:,} "
+            f"positions, which leaves no room for a new token; shorten the prompt to at most {window - 1:,} "
+            f"tokens{fix}."
+        )
+
+    raise ContextWindowExceeded(sentence("max_seq_len"), cli_message=sentence("--max-seq-len"))
 
 
 def check_kv_dtype(kv_dtype: str | None, cache: KVCache | None) -> str:

@@ -1,0 +1,86 @@
+"""The ``minillm`` command's rough edges (issue 32): missing extras, a closed or busy port, the
+context-window sentence, a base model refused by ``chat`` before any download, an attached document
+printed once, ``--version``, ``bench --help``'s defaults, ``minillm cache`` and the distribution's name.
+
+Fast: no real model. The CLI runs in process with ``minillm.load`` replaced by the scripted model
+(tests/scripted.py), or as a subprocess where the behaviour is the process's (ports, exit status).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from scripted import scripted_model, word_tokenizer_folder
+
+import minillm
+from minillm.cli import main
+from minillm.errors import ContextWindowExceeded
+from minillm.text.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def run_cli(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "300", **(env or {})}  # rich and argparse wrap at COLUMNS: keep lines whole
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def wtok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_folder(word_tokenizer_folder(tmp_path_factory.mktemp("words")))
+
+
+@pytest.fixture()
+def scripted_load(monkeypatch, wtok):
+    """``minillm.load`` returns the scripted model (context 4,096); the names it was asked for are recorded."""
+    asked: list = []
+
+    def load(name=None, **kwargs):
+        asked.append(name)
+        return scripted_model(wtok, [], context=4096)
+
+    monkeypatch.setattr(minillm, "load", load)
+    monkeypatch.setenv("COLUMNS", "1000")  # rich's console width: a line of the document stays one line
+    return asked
+
+
+# --- 3. the context window's sentence ----------------------------------------------------------
+def test_the_context_error_names_max_seq_len_in_the_library(wtok):
+    model = scripted_model(wtok, [], context=4096)
+    with pytest.raises(ContextWindowExceeded) as err:
+        minillm.generate(model, " ".join(["w"] * 39), max_seq_len=32)
+    assert str(err.value) == ("prompt is 40 tokens but the KV cache holds 32 positions, which leaves no room for a new "
+                              "token; shorten the prompt to at most 31 tokens, or pass a larger max_seq_len (the model "
+                              "holds 4,096).")
+    small = scripted_model(wtok, [], context=32)
+    with pytest.raises(ContextWindowExceeded) as err:
+        minillm.generate(small, " ".join(["w"] * 39))
+    assert str(err.value) == ("prompt is 40 tokens but the model holds 32 positions, which leaves no room for a new "
+                              "token; shorten the prompt to at most 31 tokens.")
+
+
+def test_the_context_error_names_the_flag_on_the_command_line(scripted_load, capsys):
+    assert main(["run", " ".join(["w"] * 39), "--max-seq-len", "32", "-v", "quiet"]) == 2
+    assert capsys.readouterr().err == (
+        "error: ContextWindowExceeded: prompt is 40 tokens but the KV cache holds 32 positions, which leaves no room "
+        "for a new token; shorten the prompt to at most 31 tokens, or pass a larger --max-seq-len (the model holds "
+        "4,096).\n")
+    assert main(["run", "w w", "--max-seq-len", "9000", "-v", "quiet"]) == 2
+    assert capsys.readouterr().err == (
+        "error: KVCacheFullError: --max-seq-len 9,000 is longer than the model's context of 4,096 positions; pass "
+        "--max-seq-len 4,096 or less.\n")
