@@ -21,7 +21,7 @@ from scripted import scripted_model, word_tokenizer_folder
 
 import minillm
 from minillm.cli import main
-from minillm.errors import ContextWindowExceeded
+from minillm.errors import ContextWindowExceeded, ManifestError
 from minillm.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,3 +84,50 @@ def test_the_context_error_names_the_flag_on_the_command_line(scripted_load, cap
     assert capsys.readouterr().err == (
         "error: KVCacheFullError: --max-seq-len 9,000 is longer than the model's context of 4,096 positions; pass "
         "--max-seq-len 4,096 or less.\n")
+
+
+# --- 4. chat on a base model: refused before any download ---------------------------------------
+@pytest.fixture()
+def connections(monkeypatch) -> list:
+    """Every TCP connection this process attempts (address), recorded, then made as usual (as test_hub.py)."""
+    attempts: list = []
+    connect = socket.socket.connect
+
+    def spy(self, address):
+        attempts.append(address)
+        return connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", spy)
+    return attempts
+
+
+def test_chat_on_a_base_model_is_refused_before_any_download(monkeypatch, tmp_path, capsys, connections):
+    from minillm.sources import hub
+
+    def forbidden(*a, **k):
+        raise AssertionError("chat on a base model must not fetch, convert or load anything")
+
+    monkeypatch.delenv("MINILLM_MANIFEST", raising=False)
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "300")
+    for name in ("resolve_model", "resolve_gguf", "_pip_download", "_fetch_hub", "_fetch_offline"):
+        monkeypatch.setattr(hub, name, forbidden)
+    monkeypatch.setattr(minillm, "load", forbidden)
+    assert main(["chat", "-m", "gemma3-270m", "What is the capital of France?"]) == 2
+    assert capsys.readouterr().err == (
+        "error: ChatTemplateError: gemma3-270m has no chat template (a base model: it continues text, it does not "
+        'answer messages); use `minillm run -m gemma3-270m "..."` to complete a prompt instead.\n')
+    assert connections == [] and not (tmp_path / "cache").exists()
+
+
+def test_the_manifest_says_which_models_have_a_chat_template(monkeypatch, tmp_path):
+    from minillm.sources.manifest import load_manifest
+
+    monkeypatch.delenv("MINILLM_MANIFEST", raising=False)
+    entries = load_manifest()
+    assert {n: e.chat_template for n, e in entries.items()} == {"smollm2-135m-instruct": True, "gemma3-270m": False}
+    bad = tmp_path / "m.toml"
+    bad.write_text('[models.x]\nfamily = "llama"\nlicense = "mit"\nchat_template = "no"\n'
+                   '[models.x.hub]\nrepo = "a/b"\nfiles = ["config.json"]\n')
+    with pytest.raises(ManifestError, match=r"models\.x\.chat_template must be bool, got 'no'"):
+        load_manifest(bad)

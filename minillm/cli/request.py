@@ -64,6 +64,53 @@ def _check_request_args(args: argparse.Namespace) -> None:
         raise InvalidRequestError(f"--threads must be >= 1, got {args.threads}.")
 
 
+def no_chat_template(name: str, typed: str | None):
+    """The ChatTemplateError of ``minillm chat`` on a base model ``name`` (``typed``: as given to -m)."""
+    from minillm.errors import ChatTemplateError
+
+    return ChatTemplateError(
+        f"{name} has no chat template (a base model: it continues text, it does not answer "
+        f'messages); use `minillm run -m {typed or name} "..."` to complete a prompt instead.'
+    )
+
+
+def refuse_base_model(name: str | None) -> None:
+    """``minillm chat`` on a manifest model without a chat template: refused before anything is fetched.
+
+    Raises:
+        ChatTemplateError: the manifest says the model has none (``chat_template = false``).
+    """
+    from minillm.errors import ModelNotFoundError
+    from minillm.sources.manifest import default_model_name, get_entry
+
+    try:
+        entry = get_entry(name or default_model_name())
+    except ModelNotFoundError:
+        return  # a folder or a hub repo id: its tokenizer says, once loaded
+    if not entry.chat_template:
+        raise no_chat_template(entry.name, name)
+
+
+def load_for(args: argparse.Namespace, tracer):
+    """The model of a ``run`` / ``chat`` command, loaded with its options (a base model refused for chat)."""
+    import minillm
+
+    if args.command == "chat":
+        refuse_base_model(args.model)
+    model = minillm.load(
+        args.model,
+        tracer=tracer,
+        warmup=not args.no_warmup,
+        adapters=args.adapter,
+        merge_adapters=args.adapter_mode == "merged",
+        threads=args.threads,
+        weight_dtype=args.weight_dtype,
+    )
+    if args.command == "chat" and not model.tokenizer.chat_template:
+        raise no_chat_template(model.name, args.model)
+    return model
+
+
 def run_request(args: argparse.Namespace, console: Console) -> int:
     import minillm  # the public API: load, stream
     from minillm.observe.events import Tracer
@@ -75,15 +122,7 @@ def run_request(args: argparse.Namespace, console: Console) -> int:
 
     attachment = read_attachment(args.file) if args.file else None
     tracer = Tracer(console if args.trace == "rich" else None, verbosity=args.verbosity)
-    model = minillm.load(
-        args.model,
-        tracer=tracer,
-        warmup=not args.no_warmup,
-        adapters=args.adapter,
-        merge_adapters=args.adapter_mode == "merged",
-        threads=args.threads,
-        weight_dtype=args.weight_dtype,
-    )
+    model = load_for(args, tracer)
     user_text = args.prompt
     if attachment is not None:
         name, text = attachment
@@ -91,13 +130,6 @@ def run_request(args: argparse.Namespace, console: Console) -> int:
         n = len(model.tokenizer.encode(text.strip(), add_special_tokens=False))
         tracer.emit("attach", tracer.now(), 0.0, name=name, chars=len(text), tokens=n)
     if args.command == "chat":
-        if not model.tokenizer.chat_template:
-            from minillm.errors import ChatTemplateError
-
-            raise ChatTemplateError(
-                f"{model.name} has no chat template (a base model: it continues text, it does not answer "
-                f'messages); use `minillm run -m {args.model or model.name} "..."` to complete a prompt instead.'
-            )
         messages = [{"role": "system", "content": args.system}] if args.system else []
         prompt: str | list = messages + [{"role": "user", "content": user_text}]
     else:
