@@ -131,3 +131,18 @@ def test_the_manifest_says_which_models_have_a_chat_template(monkeypatch, tmp_pa
                    '[models.x.hub]\nrepo = "a/b"\nfiles = ["config.json"]\n')
     with pytest.raises(ManifestError, match=r"models\.x\.chat_template must be bool, got 'no'"):
         load_manifest(bad)
+
+
+# --- 5. an attached document is printed once -----------------------------------------------------
+def test_chat_file_prints_the_document_once_at_the_default_verbosity(scripted_load, capsys):
+    doc = ROOT / "examples" / "incident.txt"
+    assert main(["chat", "--file", str(doc), "Summarize this.", "-n", "2", "--no-warmup"]) == 0
+    out = capsys.readouterr().out
+    lines = [line.strip() for line in doc.read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert len(lines) >= 5
+    assert {line: out.count(line) for line in lines} == {line: 1 for line in lines}
+    assert f"[the user message above, {len(doc.read_text().strip()) + len(chr(10) * 2 + 'Summarize this.'):,} " \
+           "characters; -v full shows it here]" in out
+    assert main(["chat", "--file", str(doc), "Summarize this.", "-n", "2", "--no-warmup", "-v", "full"]) == 0
+    full = capsys.readouterr().out
+    assert all(full.count(line) == 2 for line in lines)  # full: in the messages and in the text the model reads
