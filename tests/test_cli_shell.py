@@ -59,6 +59,30 @@ def scripted_load(monkeypatch, wtok):
     return asked
 
 
+# --- 2. a closed port, a busy port ---------------------------------------------------------------
+def test_bench_against_a_closed_port_is_one_line_naming_the_url():
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens there
+    proc = run_cli("bench", "--url", url, "--requests", "1", "--concurrency", "1")
+    assert proc.returncode == 2
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: no server answers at {url} (")
+    assert lines[0].endswith("); start one (`minillm serve`) or pass its address with --url")
+    assert proc.stdout == ""
+
+
+def test_serve_on_a_port_in_use_says_so_before_the_banner():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_cli("serve", "--port", str(port), "--threads", "1", timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == (f"error: port {port} on 127.0.0.1 is already in use (another server, or an earlier "
+                           "minillm serve still running); stop it, or pass another port with --port\n")
+    assert "minillm serve:" not in proc.stdout and "http://" not in proc.stdout  # no banner announced a URL
+
+
 # --- 3. the context window's sentence ----------------------------------------------------------
 def test_the_context_error_names_max_seq_len_in_the_library(wtok):
     model = scripted_model(wtok, [], context=4096)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 
 from rich.console import Console
 
@@ -11,6 +13,7 @@ def run_server(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C; returns the exit status (2 for a bad flag).
 
     The socket listens at once; the model loads on the worker thread (GET /health: 503, then 200).
+    A port already in use ends it at once (status 2, before the banner): nothing was started.
     """
     import uvicorn
 
@@ -35,6 +38,11 @@ def run_server(args: argparse.Namespace) -> int:
         if not ok:
             err.print(f"[bold red]error:[/] {message}")
             return 2
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        err.print(f"[bold red]error:[/] {port_problem(args.host, args.port, exc)}", soft_wrap=True)
+        return 2
     console = Console(highlight=False)
     worker = Worker(
         args.model,
@@ -59,5 +67,33 @@ def run_server(args: argparse.Namespace) -> int:
         f"minillm serve: {served} on http://{args.host}:{args.port} (loading in the background; "
         "GET /health answers 200 when ready)"
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+    uvicorn.Server(config).run(sockets=[sock])  # the socket bound above: no second bind that could fail
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (as uvicorn binds one: SO_REUSEADDR), not yet listening.
+
+    Raises:
+        OSError: the port is in use (``errno.EADDRINUSE``), the host is unknown, or the port is not ours to take.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def port_problem(host: str, port: int, exc: OSError) -> str:
+    """One sentence: why ``host:port`` could not be bound, and the fix."""
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is already in use (another server, or an earlier minillm serve still "
+            f"running); stop it, or pass another port with --port"
+        )
+    return f"cannot listen on {host}:{port} ({exc.strerror or exc}); check --host and --port"
