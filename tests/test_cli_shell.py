@@ -170,3 +170,61 @@ def test_chat_file_prints_the_document_once_at_the_default_verbosity(scripted_lo
     assert main(["chat", "--file", str(doc), "Summarize this.", "-n", "2", "--no-warmup", "-v", "full"]) == 0
     full = capsys.readouterr().out
     assert all(full.count(line) == 2 for line in lines)  # full: in the messages and in the text the model reads
+
+
+# --- 7. minillm cache ------------------------------------------------------------------------------
+def fake_cache(root: Path) -> None:
+    """Two models as hub.py lays them out: one whole with its GGUF (3 MiB), one interrupted (1 MiB)."""
+    whole = root / "models" / "tiny-a"
+    whole.mkdir(parents=True)
+    (whole / "config.json").write_bytes(b"{}" * (1 << 19))  # 1 MiB
+    (whole / "model.safetensors").write_bytes(b"\0" * (1 << 20))
+    (whole / ".complete").write_text(json.dumps({"files": {"config.json": 1 << 20, "model.safetensors": 1 << 20}}))
+    (root / "models" / "tiny-a.lock").write_text("")
+    gguf = root / "gguf" / "tiny-a"
+    gguf.mkdir(parents=True)
+    (gguf / "tiny-a.Q4_1.gguf").write_bytes(b"\0" * (1 << 20))
+    left = root / "models" / ".tmp-tiny-b.123.abcd0123"
+    left.mkdir()
+    (left / "part").write_bytes(b"\0" * (1 << 20))
+    (root / "calibration.json").write_text("{}")
+
+
+def test_cache_lists_models_with_their_sizes_and_removes_one(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "300")
+    fake_cache(tmp_path)
+    from minillm.sources.cache import cached_models
+
+    marker = len((tmp_path / "models" / "tiny-a" / ".complete").read_bytes())
+    got = {m.name: (m.bytes, m.complete, m.gguf) for m in cached_models()}
+    assert got == {"tiny-a": (3 * (1 << 20) + marker, True, True), "tiny-b": (1 << 20, False, False)}
+    assert main(["cache"]) == 0
+    out = capsys.readouterr().out
+    assert f"minillm's cache: {tmp_path}" in out
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]] for line in out.splitlines()
+            if line.startswith("│") and line.split("│")[1].strip()}
+    assert rows == {"tiny-a": ["3.0", "complete + GGUF"], "tiny-b": ["1.0", "incomplete"]}
+    assert "2 models, 4.0 MiB; `minillm cache rm NAME` removes one" in out
+
+    assert main(["cache", "rm", "tiny-a"]) == 0
+    assert capsys.readouterr().out.startswith("removed tiny-a: 3.0 MiB freed")
+    assert not (tmp_path / "models" / "tiny-a").exists() and not (tmp_path / "gguf" / "tiny-a").exists()
+    assert (tmp_path / "calibration.json").exists() and [m.name for m in cached_models()] == ["tiny-b"]
+
+
+def test_cache_rm_of_a_name_not_cached_removes_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "300")
+    fake_cache(tmp_path)
+    assert main(["cache", "rm", "tiny-b", "smollm"]) == 2
+    assert capsys.readouterr().err == (f"error: ModelNotFoundError: the cache at {tmp_path} holds no model 'smollm' "
+                                       "(it holds tiny-a, tiny-b); `minillm cache` lists it\n")
+    assert (tmp_path / "models" / ".tmp-tiny-b.123.abcd0123").exists()  # a typo removed nothing
+    assert main(["cache", "rm", "../models"]) == 2
+
+
+def test_an_empty_cache_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "none"))
+    assert main(["cache"]) == 0
+    assert capsys.readouterr().out == f"the cache at {tmp_path / 'none'} holds no model\n"

@@ -5,6 +5,7 @@
     minillm chat --file examples/incident.txt "Summarize this incident report in two bullets."
     cat report.txt | minillm chat --file - "Summarize this."   # the attachment from stdin
     minillm models                                  # the manifest
+    minillm cache                                   # what is cached (MiB); `minillm cache rm NAME` removes one
     minillm calibrate                               # measure this machine again (the diagnosis's rates)
 
 Errors minillm raises on purpose (``MiniLLMError``) print as one clear message, no traceback
@@ -23,6 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from minillm.cli.cache import add_cache_command, run_cache
 from minillm.cli.options import add_request_args
 from minillm.cli.request import run_request
 from minillm.errors import MiniLLMError
@@ -40,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the models in weights_manifest.toml")
     models.add_argument("--debug", action="store_true")
     add_serve_commands(sub)
+    add_cache_command(sub)
     cal = sub.add_parser(
         "calibrate",
         help="measure this machine's rates (bandwidth, GEMM, disk) again; the diagnosis compares each phase with them",
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_models(console)
         if args.command == "calibrate":
             return _cmd_calibrate(args, console)
+        if args.command == "cache":
+            return run_cache(args, console)
         if hasattr(args, "run_command"):  # serve, bench (minillm/serve)
             return args.run_command(args)
         return run_request(args, console)
