@@ -10,6 +10,10 @@ The CLI prints these without a traceback and exits non-zero.
 
 from __future__ import annotations
 
+#: minillm's name on the package index (``minillm`` there is another project); the import name
+#: and the command stay ``minillm``.
+DISTRIBUTION = "minillm-edu"
+
 
 class MiniLLMError(Exception):
     """Base class: something the user can fix. The message names the problem and the fix."""

@@ -21,7 +21,7 @@ from scripted import scripted_model, word_tokenizer_folder
 
 import minillm
 from minillm.cli import main
-from minillm.errors import ContextWindowExceeded, ManifestError
+from minillm.errors import DISTRIBUTION, ContextWindowExceeded, ManifestError
 from minillm.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -228,3 +228,9 @@ def test_an_empty_cache_says_so(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "none"))
     assert main(["cache"]) == 0
     assert capsys.readouterr().out == f"the cache at {tmp_path / 'none'} holds no model\n"
+
+
+# --- 9. the distribution's name ----------------------------------------------------------------------
+def test_the_distribution_is_not_pypis_other_minillm_and_the_hints_name_it():
+    assert DISTRIBUTION == PYPROJECT["project"]["name"] == "minillm-edu"  # `minillm` on PyPI is another project
+    assert PYPROJECT["project"]["scripts"] == {"minillm": "minillm.cli:main"}  # the command keeps its name
