@@ -93,3 +93,16 @@ class SamplingParamsError(InvalidRequestError):
 # --- LoRA adapters -----------------------------------------------------------------------------
 class AdapterError(MiniLLMError):
     """A LoRA adapter folder is missing files, uses an unsupported variant, or does not fit the model."""
+
+
+# --- installation ------------------------------------------------------------------------------
+class MissingExtraError(MiniLLMError):
+    """A command needs a package of an optional extra (e.g. ``serve``) that is not installed."""
+
+    @classmethod
+    def for_module(cls, module: str, extra: str, command: str) -> MissingExtraError:
+        """The error for ``command`` when ``module`` (a package of ``extra``) is missing."""
+        return cls(
+            f"`{command}` needs the {module} package, which the {extra} extra installs: "
+            f'pip install "{DISTRIBUTION}[{extra}]" (in a source checkout: pip install -e ".[{extra}]").'
+        )

@@ -59,6 +59,18 @@ def scripted_load(monkeypatch, wtok):
     return asked
 
 
+# --- 1. the serve extra ------------------------------------------------------------------------
+@pytest.mark.parametrize(("command", "module"), [("serve", "fastapi"), ("serve", "uvicorn"),
+                                                 ("serve", "prometheus_client"), ("bench", "httpx")])
+def test_a_missing_serve_package_names_the_extra_to_install(monkeypatch, capsys, command, module):
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ModuleNotFoundError
+    monkeypatch.setenv("COLUMNS", "300")
+    assert main([command]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: MissingExtraError: `minillm {command}` needs the {module} package, which the serve extra "
+                   f'installs: pip install "minillm-edu[serve]" (in a source checkout: pip install -e ".[serve]").\n')
+
+
 # --- 2. a closed port, a busy port ---------------------------------------------------------------
 def test_bench_against_a_closed_port_is_one_line_naming_the_url():
     url = f"http://127.0.0.1:{free_port()}"  # nobody listens there

@@ -10,8 +10,16 @@ imported when a command runs, so ``minillm run`` works without the ``serve`` ext
 from __future__ import annotations
 
 import argparse
+import importlib
+
+from minillm.errors import MissingExtraError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+#: the packages of the ``serve`` extra each command imports (pip names differ: prometheus-client)
+NEEDS = {
+    "serve": ("fastapi", "pydantic", "uvicorn", "prometheus_client"),
+    "bench": ("httpx",),
+}
 
 
 def add_commands(sub) -> None:
@@ -101,13 +109,30 @@ def add_commands(sub) -> None:
     b.set_defaults(run_command=_bench)
 
 
+def require_extra(command: str) -> None:
+    """Import the packages ``minillm <command>`` needs, before any work.
+
+    Raises:
+        MissingExtraError: one is not installed; the message names the ``serve`` extra to install.
+    """
+    for module in NEEDS[command]:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and exc.name.split(".")[0] != module:
+                raise  # the package is there but one of its own dependencies is not: pip's message says which
+            raise MissingExtraError.for_module(module, "serve", f"minillm {command}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
+    require_extra("serve")
     from .server import run_server
 
     return run_server(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
+    require_extra("bench")
     from .bench import run_bench_command
 
     return run_bench_command(args)
