@@ -184,6 +184,21 @@ def test_chat_file_prints_the_document_once_at_the_default_verbosity(scripted_lo
     assert all(full.count(line) == 2 for line in lines)  # full: in the messages and in the text the model reads
 
 
+# --- 6. --version, bench --help ------------------------------------------------------------------
+def test_version_prints_the_distributions_version():
+    proc = run_cli("--version")
+    assert proc.returncode == 0
+    assert proc.stdout == f"minillm {PYPROJECT['project']['version']}\n" == f"minillm {minillm.__version__}\n"
+
+
+def test_bench_help_shows_every_default():
+    proc = run_cli("bench", "--help")
+    assert proc.returncode == 0
+    for default in ("http://127.0.0.1:8000", "smollm2-135m-instruct", "1,2,4,8", "16", "64", "32", "300.0",
+                    "bench-results/bench-<time>.json"):
+        assert f"(default: {default})" in proc.stdout, default
+
+
 # --- 7. minillm cache ------------------------------------------------------------------------------
 def fake_cache(root: Path) -> None:
     """Two models as hub.py lays them out: one whole with its GGUF (3 MiB), one interrupted (1 MiB)."""

@@ -32,7 +32,10 @@ from minillm.serve import add_commands as add_serve_commands
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from minillm import __version__  # the installed distribution's (minillm-edu), else the checkout's
+
     parser = argparse.ArgumentParser(prog="minillm", description="A traced, from-scratch NumPy LLM runtime.")
+    parser.add_argument("--version", action="version", version=f"minillm {__version__}")
     sub = parser.add_subparsers(dest="command")
     run = sub.add_parser("run", help="complete a prompt (no chat template), with a trace")
     add_request_args(run)

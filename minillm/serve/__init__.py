@@ -95,17 +95,37 @@ def add_commands(sub) -> None:
     s.set_defaults(run_command=_serve)
 
     b = sub.add_parser("bench", help="load-test an OpenAI-compatible server (minillm, vLLM, llama.cpp)")
-    b.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (without /v1)")
-    b.add_argument("--model", default=DEFAULT_MODEL, help="the model name the server expects")
-    b.add_argument("--concurrency", default="1,2,4,8", help="comma-separated client counts, one level each")
-    b.add_argument("--requests", type=int, default=16, metavar="N", help="requests per concurrency level")
-    b.add_argument("--prompt-tokens", type=int, default=64, metavar="P", help="prompt length, about P tokens")
-    b.add_argument("--max-tokens", type=int, default=32, metavar="T", help="max_tokens of each request")
     b.add_argument(
-        "--json", default=None, metavar="PATH", help="write the results here (default bench-results/bench-<time>.json)"
+        "--url", default="http://127.0.0.1:8000", help="the server's base URL, without /v1 (default: %(default)s)"
     )
-    b.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="HTTP timeout per request")
-    b.add_argument("--debug", action="store_true")
+    b.add_argument("--model", default=DEFAULT_MODEL, help="the model name the server expects (default: %(default)s)")
+    b.add_argument(
+        "--concurrency", default="1,2,4,8", help="comma-separated client counts, one level each (default: %(default)s)"
+    )
+    b.add_argument(
+        "--requests", type=int, default=16, metavar="N", help="requests per concurrency level (default: %(default)s)"
+    )
+    b.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=64,
+        metavar="P",
+        help="prompt length, about P tokens (default: %(default)s)",
+    )
+    b.add_argument(
+        "--max-tokens", type=int, default=32, metavar="T", help="max_tokens of each request (default: %(default)s)"
+    )
+    b.add_argument(
+        "--json", default=None, metavar="PATH", help="write the results here (default: bench-results/bench-<time>.json)"
+    )
+    b.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="HTTP timeout per request (default: %(default)s)",
+    )
+    b.add_argument("--debug", action="store_true", help="show tracebacks")
     b.set_defaults(run_command=_bench)
 
 
