@@ -2,6 +2,7 @@
 
     minillm run "The capital of France is"          # completion, traced
     minillm chat "What is the capital of France?"   # through the chat template
+    minillm chat                                    # a conversation on the terminal (Ctrl-D leaves)
     minillm chat --file examples/incident.txt "Summarize this incident report in two bullets."
     cat report.txt | minillm chat --file - "Summarize this."   # the attachment from stdin
     minillm models                                  # the manifest
@@ -25,6 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from minillm.cli.cache import add_cache_command, run_cache
+from minillm.cli.chat import run_conversation
 from minillm.cli.options import add_request_args
 from minillm.cli.request import run_request
 from minillm.errors import MiniLLMError
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="complete a prompt (no chat template), with a trace")
     add_request_args(run)
     chat = sub.add_parser("chat", help="answer a user message through the model's chat template")
-    add_request_args(chat)
+    add_request_args(chat, conversation=True)
     chat.add_argument("--system", default=None, help="an optional system message")
     models = sub.add_parser("models", help="list the models in weights_manifest.toml")
     models.add_argument("--debug", action="store_true")
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_calibrate(args, console)
         if args.command == "cache":
             return run_cache(args, console)
+        if args.command == "chat" and args.prompt is None:
+            return run_conversation(args, console)
         if hasattr(args, "run_command"):  # serve, bench (minillm/serve)
             return args.run_command(args)
         return run_request(args, console)

@@ -5,8 +5,18 @@ from __future__ import annotations
 import argparse
 
 
-def add_request_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="the prompt text")
+def add_request_args(p: argparse.ArgumentParser, *, conversation: bool = False) -> None:
+    """The request's options on ``p``; ``conversation``: the prompt may be left out (``minillm chat``:
+    a conversation on the terminal)."""
+    if conversation:
+        p.add_argument(
+            "prompt",
+            nargs="?",
+            default=None,
+            help="the user message; none: a conversation on the terminal (Ctrl-D leaves)",
+        )
+    else:
+        p.add_argument("prompt", help="the prompt text")
     p.add_argument(
         "--model",
         "-m",
@@ -59,8 +69,8 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
         "--verbosity",
         "-v",
         choices=("quiet", "summary", "steps", "full"),
-        default="steps",
-        help="how much of the trace to print (default steps)",
+        default=None,
+        help="how much of the trace to print (default steps; a conversation on the terminal: only the answers)",
     )
     p.add_argument(
         "--trace",

@@ -46,13 +46,13 @@ def with_attachment(prompt: str, text: str) -> str:
     return f"{text.strip()}\n\n{prompt}"
 
 
-def _check_request_args(args: argparse.Namespace) -> None:
+def check_request_args(args: argparse.Namespace) -> None:
     """Refuse what would fail later, before the model loads (errors name the fix)."""
     from pathlib import Path
 
     from minillm.errors import InvalidRequestError
 
-    if not args.prompt:
+    if args.prompt is not None and not args.prompt:  # None: a conversation (minillm chat)
         raise InvalidRequestError("the prompt is empty; give at least one character.")
     if args.trace_json:
         folder = Path(args.trace_json).expanduser().resolve().parent
@@ -117,11 +117,11 @@ def run_request(args: argparse.Namespace, console: Console) -> int:
     from minillm.runtime.sampling import SamplingParams
     from minillm.runtime.stopping import StopReason
 
-    _check_request_args(args)
+    check_request_args(args)
     params = SamplingParams.from_fields(args)
 
     attachment = read_attachment(args.file) if args.file else None
-    tracer = Tracer(console if args.trace == "rich" else None, verbosity=args.verbosity)
+    tracer = Tracer(console if args.trace == "rich" else None, verbosity=args.verbosity or "steps")
     model = load_for(args, tracer)
     user_text = args.prompt
     if attachment is not None:
