@@ -13,11 +13,15 @@ The folder reads as the system: ``model/`` (the math), ``text/`` (tokens <-> tex
 ``sources/`` (finding and fetching models).
 """
 
-from minillm.errors import MiniLLMError
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _installed_version
+
+from minillm.errors import DISTRIBUTION, MiniLLMError
 from minillm.model.config import ModelConfig
 from minillm.model.kv_cache import KVCache
 from minillm.model.paged_kv_cache import KVCachePool
 from minillm.observe.events import TraceEvent, Tracer, plot_timeline
+from minillm.runtime.conversation import Conversation
 from minillm.runtime.generate import generate, generate_batch, stream
 from minillm.runtime.loading import Model, load, run_warmup
 from minillm.runtime.request import GenerationResult
@@ -26,6 +30,7 @@ from minillm.runtime.steps import decode_step, detokenize, prefill, sample, toke
 from minillm.runtime.stopping import StopReason
 
 __all__ = [
+    "Conversation",
     "GenerationResult",
     "KVCache",
     "KVCachePool",
@@ -48,4 +53,8 @@ __all__ = [
     "stream",
     "tokenize",
 ]
-__version__ = "0.1.0"
+
+try:  # the installed distribution's version (pyproject.toml's, when pip installed this checkout)
+    __version__ = _installed_version(DISTRIBUTION)
+except PackageNotFoundError:  # a source checkout on the path that pip did not install
+    __version__ = "0.1.0"

@@ -10,6 +10,10 @@ The CLI prints these without a traceback and exits non-zero.
 
 from __future__ import annotations
 
+#: minillm's name on the package index (``minillm`` there is another project); the import name
+#: and the command stay ``minillm``.
+DISTRIBUTION = "minillm-edu"
+
 
 class MiniLLMError(Exception):
     """Base class: something the user can fix. The message names the problem and the fix."""
@@ -55,7 +59,15 @@ class ChatTemplateError(MiniLLMError):
 
 # --- running a request -----------------------------------------------------------------------
 class ContextWindowExceeded(MiniLLMError):
-    """A prompt (or prompt + cache) is longer than the context the cache / model holds."""
+    """A prompt (or prompt + cache) is longer than the context the cache / model holds.
+
+    ``cli_message`` is the same sentence naming the command line's option (``--max-seq-len``) where
+    the message names the Python argument (``max_seq_len``); the ``minillm`` command prints it.
+    """
+
+    def __init__(self, message: str, *, cli_message: str | None = None):
+        super().__init__(message)
+        self.cli_message = cli_message or message
 
 
 class KVCacheFullError(ContextWindowExceeded):
@@ -81,3 +93,16 @@ class SamplingParamsError(InvalidRequestError):
 # --- LoRA adapters -----------------------------------------------------------------------------
 class AdapterError(MiniLLMError):
     """A LoRA adapter folder is missing files, uses an unsupported variant, or does not fit the model."""
+
+
+# --- installation ------------------------------------------------------------------------------
+class MissingExtraError(MiniLLMError):
+    """A command needs a package of an optional extra (e.g. ``serve``) that is not installed."""
+
+    @classmethod
+    def for_module(cls, module: str, extra: str, command: str) -> MissingExtraError:
+        """The error for ``command`` when ``module`` (a package of ``extra``) is missing."""
+        return cls(
+            f"`{command}` needs the {module} package, which the {extra} extra installs: "
+            f'pip install "{DISTRIBUTION}[{extra}]" (in a source checkout: pip install -e ".[{extra}]").'
+        )

@@ -70,9 +70,10 @@ class KVCache:
         if max_seq_len is None:
             max_seq_len = context
         if max_seq_len > context:
+            too_long = f"is longer than the model's context of {context:,} positions"
             raise KVCacheFullError(
-                f"max_seq_len={max_seq_len:,} is longer than the model's context of {context:,} "
-                "positions; pass max_seq_len <= the context."
+                f"max_seq_len={max_seq_len:,} {too_long}; pass max_seq_len <= the context.",
+                cli_message=f"--max-seq-len {max_seq_len:,} {too_long}; pass --max-seq-len {context:,} or less.",
             )
         return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_seq_len, dtype)
 

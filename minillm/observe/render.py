@@ -19,6 +19,9 @@ from minillm.observe.trace_event import TraceEvent
 
 #: A prompt's token table shows this many rows at each end unless verbosity is "full".
 TOKEN_ROWS_SHOWN = 10
+#: A message longer than this (characters; an attached document) is printed once: with the messages,
+#: and folded in "text the model reads", unless verbosity is "full".
+FOLD_MESSAGE_CHARS = 300
 
 
 def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
@@ -141,11 +144,28 @@ class Renderer:
         c.rule("[bold]request[/] " + ("chat template" if d["chat"] else "completion"))
         for m in d["messages"]:
             c.print(f"[magenta]{m['role']}[/]: {escape(m['content'])}")
-        text = Text(d["text"])
+        text = self._model_text(d)
         for special in d.get("special_tokens", []):
             text.highlight_words([special], style="bold yellow")  # role delimiters, generation marker
         c.print(Text("text the model reads:", style="bold"))
         c.print(text)
+
+    def _model_text(self, d: dict) -> Text:
+        """The text the model reads; a long message (an attached document), shown just above, is
+        folded here unless verbosity is "full", so the document is printed once."""
+        raw, text, pos = d["text"], Text(), 0
+        for m in d["messages"] if self.tracer.verbosity != "full" else ():
+            content = m.get("content")
+            if not isinstance(content, str) or len(content) <= FOLD_MESSAGE_CHARS:
+                continue
+            i = raw.find(content, pos)
+            if i < 0:  # the template changed it (stripped, escaped): shown as it is
+                continue
+            text.append(raw[pos:i])
+            text.append(f"[the {m['role']} message above, {len(content):,} characters; -v full shows it here]", "dim")
+            pos = i + len(content)
+        text.append(raw[pos:])
+        return text
 
     def _tokenize(self, e: TraceEvent) -> None:
         d = e.data

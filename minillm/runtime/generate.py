@@ -53,11 +53,22 @@ def stream(
     if unknown := sorted(set(options) - Request.OPTIONS):
         raise InvalidRequestError(f"unknown request option(s) {unknown}; the options are {sorted(Request.OPTIONS)}.")
     request = Request(model, prompt, params, listener=tracer, **options)
+    yield from run(request, result)
+
+
+def run(request: Request, result: list | None = None) -> Iterator[str]:
+    """Drive a built :class:`Request` to its end and yield its text deltas (the loop of :func:`stream`).
+
+    Prefill feeds the prompt ids past those its cache already holds (``request.reused``: 0 but for a
+    conversation's turn); ``result``, if a list, gets the :class:`GenerationResult` appended.
+    """
+    model = request.model
     try:
         try:
             if request.running():
                 t = time.perf_counter()
-                logits = prefill(model, request.prompt_ids, request.cache)  # the whole prompt, one forward pass
+                # the whole prompt (past what the cache holds), one forward pass
+                logits = prefill(model, request.prompt_ids[request.reused :], request.cache)
                 request.metrics.prefill_s = time.perf_counter() - t
                 yield from request.take(logits, t)  # the first new token: TTFT ends here
             while request.running():

@@ -166,7 +166,7 @@ class Request:
             model's context. Prompt + new tokens never exceed it: at the edge the request stops
             with ``CONTEXT_FULL`` (no exception).
         cache: reuse a cache (reset before and after the request); default a fresh one, freed
-            at the end.
+            at the end. (``Conversation`` turns keep the prefix it shares with the prompt.)
         kv_dtype: how a fresh cache holds keys and values: ``"float32"`` (default), ``"float16"``
             or ``"int8"`` (+ a float32 scale per position and head; ``KVCache``). With ``cache``,
             None or the cache's own dtype.
@@ -262,8 +262,9 @@ class Request:
         if self.own_cache:
             cache = self.new_cache(max_seq_len or min(context, len(self.prompt_ids) + max_new_tokens))
         else:
-            cache.reset()
+            cache.truncate(self.reusable(cache))  # emptied, unless a conversation's turn keeps a prefix
         self.cache = cache
+        self.reused = self.metrics.cached_prompt_tokens = cache.length  # prefill feeds the prompt ids past these
         self.window = cache.max_seq_len
         self.criteria = StopCriteria(
             eos_token_ids=model.tokenizer.eos_token_ids,
@@ -278,6 +279,14 @@ class Request:
         self.seen = list(self.prompt_ids)  # the repetition penalty's "seen" ids: prompt + new ids
         self.stop_reason: StopReason | None = None
         self.condition = None
+
+    #: True: a given cache keeps what this request wrote when it ends (a conversation's turn), not emptied
+    keeps_cache = False
+
+    def reusable(self, cache: KVCache) -> int:
+        """How many leading positions of a given cache this request keeps (its prompt's ids already
+        there): 0 here, the cache is emptied; a conversation's turn keeps the earlier turns."""
+        return 0
 
     def new_cache(self, max_seq_len: int) -> KVCache:
         """The request's own cache of ``max_seq_len`` positions: a contiguous :class:`KVCache` here;
@@ -318,7 +327,7 @@ class Request:
             reason = self.output.stop_reason or reason
         self.stop_reason = reason
         if len(self.new_ids) == 1:
-            n = len(self.prompt_ids)
+            n = len(self.prompt_ids) - self.reused  # the ids prefill fed
             self._emit(
                 "prefill",
                 step_t0,
@@ -375,7 +384,7 @@ class Request:
         )
         if self.own_cache:
             self.cache.free()
-        else:
+        elif not self.keeps_cache:
             self.cache.reset()
 
     def finish(self) -> GenerationResult:
@@ -425,19 +434,21 @@ def check_window(n_prompt: int, window: int, context: int, by_cache: bool) -> No
     """The prompt must leave room for at least one new token: ``n_prompt < window``.
 
     Raises:
-        ContextWindowExceeded: with both numbers and the fix.
+        ContextWindowExceeded: with both numbers and the fix; ``cli_message`` names ``--max-seq-len``
+            where the message names the library's ``max_seq_len``.
     """
     if n_prompt < window:
         return
-    fix = (
-        "shorten the prompt"
-        if not by_cache
-        else f"shorten the prompt or pass a larger max_seq_len (the model holds {context:,})"
-    )
-    raise ContextWindowExceeded(
-        f"prompt is {n_prompt:,} tokens but the {'KV cache' if by_cache else 'model'} holds "
-        f"{window:,} positions, which leaves no room for a new token; {fix} to at most {window - 1:,} tokens."
-    )
+
+    def sentence(option: str) -> str:
+        fix = f", or pass a larger {option} (the model holds {context:,})" if by_cache else ""
+        return (
+            f"prompt is {n_prompt:,} tokens but the {'KV cache' if by_cache else 'model'} holds {window:,} "
+            f"positions, which leaves no room for a new token; shorten the prompt to at most {window - 1:,} "
+            f"tokens{fix}."
+        )
+
+    raise ContextWindowExceeded(sentence("max_seq_len"), cli_message=sentence("--max-seq-len"))
 
 
 def check_kv_dtype(kv_dtype: str | None, cache: KVCache | None) -> str:

@@ -10,8 +10,16 @@ imported when a command runs, so ``minillm run`` works without the ``serve`` ext
 from __future__ import annotations
 
 import argparse
+import importlib
+
+from minillm.errors import MissingExtraError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+#: the packages of the ``serve`` extra each command imports (pip names differ: prometheus-client)
+NEEDS = {
+    "serve": ("fastapi", "pydantic", "uvicorn", "prometheus_client"),
+    "bench": ("httpx",),
+}
 
 
 def add_commands(sub) -> None:
@@ -104,17 +112,37 @@ def add_commands(sub) -> None:
     s.set_defaults(run_command=_serve)
 
     b = sub.add_parser("bench", help="load-test an OpenAI-compatible server (minillm, vLLM, llama.cpp)")
-    b.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (without /v1)")
-    b.add_argument("--model", default=DEFAULT_MODEL, help="the model name the server expects")
-    b.add_argument("--concurrency", default="1,2,4,8", help="comma-separated client counts, one level each")
-    b.add_argument("--requests", type=int, default=16, metavar="N", help="requests per concurrency level")
-    b.add_argument("--prompt-tokens", type=int, default=64, metavar="P", help="prompt length, about P tokens")
-    b.add_argument("--max-tokens", type=int, default=32, metavar="T", help="max_tokens of each request")
     b.add_argument(
-        "--json", default=None, metavar="PATH", help="write the results here (default bench-results/bench-<time>.json)"
+        "--url", default="http://127.0.0.1:8000", help="the server's base URL, without /v1 (default: %(default)s)"
     )
-    b.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help="HTTP timeout per request")
-    b.add_argument("--debug", action="store_true")
+    b.add_argument("--model", default=DEFAULT_MODEL, help="the model name the server expects (default: %(default)s)")
+    b.add_argument(
+        "--concurrency", default="1,2,4,8", help="comma-separated client counts, one level each (default: %(default)s)"
+    )
+    b.add_argument(
+        "--requests", type=int, default=16, metavar="N", help="requests per concurrency level (default: %(default)s)"
+    )
+    b.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=64,
+        metavar="P",
+        help="prompt length, about P tokens (default: %(default)s)",
+    )
+    b.add_argument(
+        "--max-tokens", type=int, default=32, metavar="T", help="max_tokens of each request (default: %(default)s)"
+    )
+    b.add_argument(
+        "--json", default=None, metavar="PATH", help="write the results here (default: bench-results/bench-<time>.json)"
+    )
+    b.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="HTTP timeout per request (default: %(default)s)",
+    )
+    b.add_argument("--debug", action="store_true", help="show tracebacks")
     b.set_defaults(run_command=_bench)
 
 
@@ -164,13 +192,30 @@ def _add_reliability_flags(s) -> None:
     )
 
 
+def require_extra(command: str) -> None:
+    """Import the packages ``minillm <command>`` needs, before any work.
+
+    Raises:
+        MissingExtraError: one is not installed; the message names the ``serve`` extra to install.
+    """
+    for module in NEEDS[command]:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and exc.name.split(".")[0] != module:
+                raise  # the package is there but one of its own dependencies is not: pip's message says which
+            raise MissingExtraError.for_module(module, "serve", f"minillm {command}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
+    require_extra("serve")
     from .server import run_server
 
     return run_server(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
+    require_extra("bench")
     from .bench import run_bench_command
 
     return run_bench_command(args)

@@ -71,23 +71,34 @@ async def calibrate_words(http, url: str, model: str, prompt_tokens: int) -> tup
     """How many words of FIXED_TEXT make ``prompt_tokens`` tokens on this server (two probes).
 
     Returns:
-        (words, tokens the server counted for them). Raises RuntimeError if the server refuses.
+        (words, tokens the server counted for them). Raises RuntimeError if no server answers at
+        ``url`` or the server refuses.
     """
     words = max(1, round(prompt_tokens / 1.3))  # first guess: ~1.3 tokens per English word
     for _ in range(2):  # the second probe corrects the guess with the measured ratio
-        r = await http.post(
-            url + "/v1/completions",
-            json={"model": model, "prompt": make_prompt(words, 0), "max_tokens": 1, "temperature": 0},
-        )
+        r = await _probe(http, url, model, words)
         if r.status_code != 200:
             raise RuntimeError(f"calibration request failed: {r.status_code} {r.text[:300]}")
         tokens = r.json()["usage"]["prompt_tokens"]
         words = max(1, round(words * prompt_tokens / tokens))
-    r = await http.post(
-        url + "/v1/completions",
-        json={"model": model, "prompt": make_prompt(words, 0), "max_tokens": 1, "temperature": 0},
-    )
+    r = await _probe(http, url, model, words)
     return words, r.json()["usage"]["prompt_tokens"]
+
+
+async def _probe(http, url: str, model: str, words: int):
+    """One completion of one token; a server that cannot be reached is a RuntimeError naming ``url``."""
+    import httpx
+
+    try:
+        return await http.post(
+            url + "/v1/completions",
+            json={"model": model, "prompt": make_prompt(words, 0), "max_tokens": 1, "temperature": 0},
+        )
+    except httpx.TransportError as exc:  # refused, unknown host, timed out: the first request finds it
+        why = str(exc) or type(exc).__name__
+        raise RuntimeError(
+            f"no server answers at {url} ({why}); start one (`minillm serve`) or pass its address with --url"
+        ) from None
 
 
 async def one_request(http, url: str, model: str, prompt: str, max_tokens: int) -> RequestRecord:
@@ -295,6 +306,7 @@ def results_table(results: dict):
 def run_bench_command(args: argparse.Namespace) -> int:
     """``minillm bench``: progress bar, table, JSON file; exit status 1 if any request failed, 2 on bad flags."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console, err = Console(highlight=False), Console(stderr=True)
@@ -322,7 +334,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 )
             )
     except RuntimeError as exc:
-        err.print(f"[bold red]error:[/] {exc}")
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)  # one line, however wide the terminal
         return 2
     console.print(results_table(results))
     path = Path(args.json or f"bench-results/bench-{datetime.now():%Y%m%d-%H%M%S}.json")

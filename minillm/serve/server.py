@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import socket
 
 from rich.console import Console
@@ -13,6 +14,7 @@ def run_server(args: argparse.Namespace) -> int:
     1 when a second signal cut it short, 2 for a bad flag.
 
     The socket listens at once; the model loads on the worker thread (GET /health: 503, then 200).
+    A port already in use ends it at once (status 2, before the banner): nothing was started.
     """
     import uvicorn
 
@@ -48,6 +50,11 @@ def run_server(args: argparse.Namespace) -> int:
         if not ok:
             err.print(f"[bold red]error:[/] {message}")
             return 2
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        err.print(f"[bold red]error:[/] {port_problem(args.host, args.port, exc)}", soft_wrap=True)
+        return 2
     console = Console(highlight=False)
     metrics = ServerMetrics()
     worker = Worker(
@@ -90,9 +97,9 @@ def run_server(args: argparse.Namespace) -> int:
         h11_max_incomplete_event_size=args.max_header_bytes,
     )
     server = DrainingServer(config, worker.guard, args.shutdown_timeout, console)
-    sock = config.bind_socket()
-    # Accepted connections inherit it: what the kernel holds for a slow reader stays small, so the
-    # stream's own buffer (--stream-buffer) fills and the request is shed instead of piling up.
+    # `sock`, bound above (a port in use is said before the banner): accepted connections inherit its
+    # send buffer, so what the kernel holds for a slow reader stays small, the stream's own buffer
+    # (--stream-buffer) fills and the request is shed instead of piling up.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, args.socket_send_buffer)
     server.run(sockets=[sock])
     return 1 if server.forced else 0
@@ -110,3 +117,30 @@ def _open_page(console: Console, url: str) -> None:
         opened = False
     if not opened:
         console.print("minillm serve: no browser to open here; open the URL above yourself")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (as uvicorn binds one: SO_REUSEADDR), not yet listening.
+
+    Raises:
+        OSError: the port is in use (``errno.EADDRINUSE``), the host is unknown, or the port is not ours to take.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def port_problem(host: str, port: int, exc: OSError) -> str:
+    """One sentence: why ``host:port`` could not be bound, and the fix."""
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is already in use (another server, or an earlier minillm serve still "
+            f"running); stop it, or pass another port with --port"
+        )
+    return f"cannot listen on {host}:{port} ({exc.strerror or exc}); check --host and --port"

@@ -117,6 +117,7 @@ class ModelEntry:
     hub: HubSource | None
     offline: OfflineSource | None
     notes: tuple[str, ...] = ()
+    chat_template: bool = True  # False: a base model; `minillm chat` refuses it before fetching anything
 
 
 # --- finding and reading the file ------------------------------------------------------------
@@ -246,7 +247,7 @@ def _parse_entry(file: Path, name: str, data: Any) -> ModelEntry:
             f"{file}: model name {name!r} must be lowercase letters, digits, "
             "'.', '_' or '-' (it is also a cache folder name)"
         )
-    t.check_keys({"family", "license", "description", "default", "notes", "hub", "offline"})
+    t.check_keys({"family", "license", "description", "default", "notes", "chat_template", "hub", "offline"})
     hub = _parse_hub(_Table(file, f"{t.where}.hub", data["hub"])) if "hub" in data else None
     offline = _parse_offline(_Table(file, f"{t.where}.offline", data["offline"])) if "offline" in data else None
     if hub is None and offline is None:
@@ -260,6 +261,7 @@ def _parse_entry(file: Path, name: str, data: Any) -> ModelEntry:
         hub=hub,
         offline=offline,
         notes=t.strings("notes", ()),
+        chat_template=t.get("chat_template", bool, True),
     )
 
 

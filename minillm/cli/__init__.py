@@ -1,0 +1,138 @@
+"""The ``minillm`` command: run a traced request, chat, or list the models it knows.
+
+    minillm run "The capital of France is"          # completion, traced
+    minillm chat "What is the capital of France?"   # through the chat template
+    minillm chat                                    # a conversation on the terminal (Ctrl-D leaves)
+    minillm chat --file examples/incident.txt "Summarize this incident report in two bullets."
+    cat report.txt | minillm chat --file - "Summarize this."   # the attachment from stdin
+    minillm models                                  # the manifest
+    minillm cache                                   # what is cached (MiB); `minillm cache rm NAME` removes one
+    minillm calibrate                               # measure this machine again (the diagnosis's rates)
+
+Errors minillm raises on purpose (``MiniLLMError``) print as one clear message, no traceback
+(``--debug`` shows it), and exit with status 2.
+
+Ctrl-C during a request cancels it cleanly: the step in progress finishes, the partial text and
+the trace (stop reason "cancelled") are printed, and the exit status is 130 (the shell's code for
+"interrupted by the user"). A second Ctrl-C interrupts at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from minillm.cli.cache import add_cache_command, run_cache
+from minillm.cli.chat import run_conversation
+from minillm.cli.options import add_request_args
+from minillm.cli.request import run_request
+from minillm.errors import MiniLLMError
+from minillm.serve import add_commands as add_serve_commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from minillm import __version__  # the installed distribution's (minillm-edu), else the checkout's
+
+    parser = argparse.ArgumentParser(prog="minillm", description="A traced, from-scratch NumPy LLM runtime.")
+    parser.add_argument("--version", action="version", version=f"minillm {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="complete a prompt (no chat template), with a trace")
+    add_request_args(run)
+    chat = sub.add_parser("chat", help="answer a user message through the model's chat template")
+    add_request_args(chat, conversation=True)
+    chat.add_argument("--system", default=None, help="an optional system message")
+    models = sub.add_parser("models", help="list the models in weights_manifest.toml")
+    models.add_argument("--debug", action="store_true")
+    add_serve_commands(sub)
+    add_cache_command(sub)
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure this machine's rates (bandwidth, GEMM, disk) again; the diagnosis compares each phase with them",
+    )
+    cal.add_argument("--threads", type=int, default=None, metavar="N", help="BLAS threads to measure with")
+    cal.add_argument("--debug", action="store_true")
+    return parser
+
+
+def _cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
+    from minillm.observe import calibrate
+    from minillm.runtime.loading import set_blas_threads
+
+    set_blas_threads(args.threads)
+    console.print("measuring this machine (a few seconds) ...")
+    machine = calibrate.machine(remeasure=True)
+    table = Table(title="this machine's rates", title_justify="left", show_header=False, box=None, padding=(0, 2))
+    table.add_column(style="cyan")
+    table.add_column(justify="right")
+    for row in machine.rows():
+        table.add_row(*row)
+    console.print(table)
+    where = (
+        f"this machine ({machine.fingerprint['cpu']}, {machine.fingerprint['cores']} cores, "
+        f"{machine.fingerprint['blas_threads']} BLAS threads)"
+    )
+    if machine.busy:
+        console.print(
+            f"[yellow]not kept[/]: other processes kept {machine.others_cores:.1f} cores busy while measuring, so "
+            f"these rates are theirs as much as {where}'s; the cache keeps none of them and the next use "
+            "measures again. Run `minillm calibrate` again on a quiet machine."
+        )
+        return 0
+    console.print(f"cached in {calibrate.calibration_file()} for {where}")
+    return 0
+
+
+def _cmd_models(console: Console) -> int:
+    from minillm.sources.hub import cache_root
+    from minillm.sources.manifest import load_manifest
+
+    table = Table(title="models (weights_manifest.toml)", title_justify="left")
+    for col in ("name", "family", "license", "cached"):
+        table.add_column(col)
+    table.add_column("sources", overflow="fold")  # package and repo names wrap, never cut short
+    for name, entry in load_manifest().items():
+        sources = []
+        if entry.hub is not None:
+            sources.append(f"hub {entry.hub.repo}")
+        if entry.offline is not None:
+            sources.append(f"offline {entry.offline.summary()}")
+        cached = "yes" if (cache_root() / "models" / name).is_dir() else "no"
+        table.add_row(
+            name + (" (default)" if entry.default else ""), entry.family, entry.license, cached, "\n".join(sources)
+        )
+    console.print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``minillm`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    console = Console(highlight=False)
+    try:
+        if args.command == "models":
+            return _cmd_models(console)
+        if args.command == "calibrate":
+            return _cmd_calibrate(args, console)
+        if args.command == "cache":
+            return run_cache(args, console)
+        if args.command == "chat" and args.prompt is None:
+            return run_conversation(args, console)
+        if hasattr(args, "run_command"):  # serve, bench (minillm/serve)
+            return args.run_command(args)
+        return run_request(args, console)
+    except MiniLLMError as exc:
+        if args.debug:
+            raise
+        message = getattr(exc, "cli_message", None) or str(exc)  # the option as typed here: --max-seq-len
+        Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {escape(message)}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        Console(stderr=True).print("[yellow]interrupted[/]")
+        return 130

@@ -1,0 +1,141 @@
+"""The options of ``minillm run`` and ``minillm chat``: the request's arguments on the command line."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_request_args(p: argparse.ArgumentParser, *, conversation: bool = False) -> None:
+    """The request's options on ``p``; ``conversation``: the prompt may be left out (``minillm chat``:
+    a conversation on the terminal)."""
+    if conversation:
+        p.add_argument(
+            "prompt",
+            nargs="?",
+            default=None,
+            help="the user message; none: a conversation on the terminal (Ctrl-D leaves)",
+        )
+    else:
+        p.add_argument("prompt", help="the prompt text")
+    p.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help="a name from `minillm models` or a local model folder (default: the manifest's default)",
+    )
+    p.add_argument("--max-new-tokens", "-n", type=int, default=48, help="budget of new tokens (default 48)")
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x top probability")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same tokens)")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="stop when TEXT appears in the output, which is cut before it (repeatable; in bash, $'\\n' is a newline)",
+    )
+    p.add_argument(
+        "--stop-token-ids",
+        action="append",
+        default=None,
+        type=_id_list,
+        metavar="IDS",
+        help="stop when these comma-separated ids appear in a row, e.g. 2 or 28,29 (repeatable)",
+    )
+    p.add_argument(
+        "--include-stop-string",
+        action="store_true",
+        help="keep the matched stop string (or stop sequence's text) in the output",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="wall-clock deadline for the request; it stops with reason 'timed out'",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV-cache size in positions (default prompt + max new tokens, at most the context); "
+        "prompt + new tokens never exceed it (reason 'context full')",
+    )
+    p.add_argument(
+        "--verbosity",
+        "-v",
+        choices=("quiet", "summary", "steps", "full"),
+        default=None,
+        help="how much of the trace to print (default steps; a conversation on the terminal: only the answers)",
+    )
+    p.add_argument(
+        "--trace",
+        choices=("rich", "json"),
+        default="rich",
+        help="rich: the readable trace (default); json: the events as JSON lines on stdout",
+    )
+    p.add_argument(
+        "--trace-json", metavar="PATH", default=None, help="also write the trace events as JSON lines to PATH"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="BLAS threads for the matrix multiplies (threadpoolctl; default: all cores)",
+    )
+    p.add_argument(
+        "--weight-dtype",
+        choices=("float32", "bfloat16", "int8", "gguf"),
+        default="float32",
+        help="how the weight matrices are held in memory: float32; bfloat16; int8 (per-row scales); "
+        "gguf (the model's GGUF blocks kept packed, e.g. Q4_1). Norms stay float32; the math is float32",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=("float32", "float16", "int8"),
+        default="float32",
+        help="how the KV cache holds keys and values: float32 (default); float16 (half the bytes); "
+        "int8 (+ a float32 scale per position and head). Attention still computes in float32",
+    )
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors); repeatable",
+    )
+    p.add_argument(
+        "--adapter-mode",
+        choices=("merged", "unmerged"),
+        default="merged",
+        help="merged: folded into the weights at load (default, no cost per token); "
+        "unmerged: the low-rank path computed in every forward",
+    )
+    p.add_argument(
+        "--no-warmup", action="store_true", help="skip the warm-up request (the first request then pays one-time costs)"
+    )
+    p.add_argument(
+        "--file",
+        "-f",
+        default=None,
+        metavar="PATH",
+        help="attach a text file (UTF-8; '-' reads stdin): its text, a blank line, then the prompt "
+        "(in chat: the user message)",
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _id_list(text: str) -> list[int]:
+    """'28,29' -> [28, 29] (argparse type for --stop-token-ids)."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids such as 28,29, got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {text!r}")
+    return ids
