@@ -177,6 +177,15 @@ def _tokenizer_key(folder: Path) -> str:
     return json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
 
 
+def _minillm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("minillm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def measured_overhead(tokenizer_folders: list[Path], modules: tuple[str, ...] = ()) -> dict:
     """``{"runtime": bytes, "tokenizers": {folder: bytes}}``, measured in a subprocess and cached.
 
@@ -191,9 +200,7 @@ def measured_overhead(tokenizer_folders: list[Path], modules: tuple[str, ...] = 
     """
     import numpy
 
-    import minillm
-
-    key = json.dumps([sys.version, numpy.__version__, minillm.__version__, sorted(modules)])
+    key = json.dumps([sys.version, numpy.__version__, _minillm_version(), sorted(modules)])
     path = _cache_file()
     try:
         cache = json.loads(path.read_text())
