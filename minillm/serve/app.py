@@ -118,6 +118,8 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
 
     @app.get("/v1/models", response_model=p.ModelList)
     async def models():
+        if hasattr(worker, "model_cards"):  # several models (models.py): state, dtype, resident bytes
+            return p.ModelList(data=[p.ModelCard(**card) for card in worker.model_cards()])
         return p.ModelList(data=[p.ModelCard(id=served_model)])
 
     @app.get("/v1/traces/{request_id}", responses={404: {"model": p.ErrorResponse}})
@@ -173,7 +175,7 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
             raise _runtime_error(first[1])
         if body.stream:
             return StreamingResponse(
-                _sse(job, first, body, served_model, chat, watcher), headers=headers, media_type="text/event-stream"
+                _sse(job, first, body, body.model, chat, watcher), headers=headers, media_type="text/event-stream"
             )
         try:
             item = first
@@ -183,7 +185,7 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
             watcher.cancel()
         if item[0] == "error":
             raise _runtime_error(item[1])
-        response = _final_response(item[1], request_id, served_model, chat)
+        response = _final_response(item[1], request_id, body.model, chat)
         return JSONResponse(response.model_dump(), headers=headers)
 
     return app
@@ -198,21 +200,24 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
     Raises:
         APIError: 404 unknown model, 503 not ready, 400 max_tokens over the context or bad sampling values.
     """
-    if body.model != served_model:
+    slots = getattr(worker, "slots", None)  # several models (models.py): served name -> slot
+    served = list(slots) if slots is not None else [served_model]
+    if body.model not in served:
         raise APIError(
             404,
-            f"model {body.model!r} not found; this server serves {served_model!r} (GET /v1/models)",
+            f"model {body.model!r} not found; this server serves {', '.join(map(repr, served))} (GET /v1/models)",
             "not_found_error",
             "model",
             "model_not_found",
         )
     if worker.status != "ready":
         raise APIError(503, f"the model is {worker.status}; wait for GET /health to answer 200", "service_unavailable")
-    if max_tokens is not None and max_tokens > worker.context:
+    context = slots[body.model].context if slots is not None else worker.context
+    if max_tokens is not None and max_tokens > context:
         raise APIError(
             400,
-            f"max_tokens is {max_tokens:,} but the context holds {worker.context:,} positions "
-            f"(prompt included); ask for at most {worker.context - 1:,}",
+            f"max_tokens is {max_tokens:,} but the context holds {context:,} positions "
+            f"(prompt included); ask for at most {context - 1:,}",
             param="max_tokens",
         )
     try:
@@ -230,6 +235,7 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         top_logprobs,
         asyncio.get_running_loop(),
         asyncio.Queue(),
+        model=body.model,
     )
 
 
@@ -273,6 +279,7 @@ def _usage(o: Outcome) -> p.UsageInfo:
         completion_tokens=o.completion_tokens,
         total_tokens=o.prompt_tokens + o.completion_tokens,
         prompt_tokens_details=p.PromptTokensDetails(cached_tokens=o.cached_tokens),
+        load_s=o.load_s,
     )
 
 
