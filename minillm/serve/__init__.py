@@ -91,6 +91,17 @@ def add_commands(sub) -> None:
     b.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (without /v1)")
     b.add_argument("--model", default=DEFAULT_MODEL, help="the model name the server expects")
     b.add_argument("--concurrency", default="1,2,4,8", help="comma-separated client counts, one level each")
+    b.add_argument(
+        "--models",
+        default=None,
+        metavar="A,B",
+        help="switching bench (bench_switch.py): requests one at a time over these models, in --pattern order",
+    )
+    b.add_argument(
+        "--pattern",
+        default="alternate,sticky",
+        help="with --models: alternate (every request switches), sticky (one block per model), or both (default)",
+    )
     b.add_argument("--requests", type=int, default=16, metavar="N", help="requests per concurrency level")
     b.add_argument("--prompt-tokens", type=int, default=64, metavar="P", help="prompt length, about P tokens")
     b.add_argument("--max-tokens", type=int, default=32, metavar="T", help="max_tokens of each request")
@@ -168,6 +179,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.models:  # switching between models (bench_switch.py)
+        from .bench_switch import run_switch_command
+
+        return run_switch_command(args)
     from .bench import run_bench_command
 
     return run_bench_command(args)

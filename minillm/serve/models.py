@@ -109,6 +109,7 @@ class ModelSlot(Worker):
         t2 = time.perf_counter()
         if self.warmup:
             run_warmup(self.model, pool=self.pool)
+        _trim_heap()  # the load's temporaries (float32 rows before int8, file buffers) leave the resident set
         t3 = time.perf_counter()
         self.scheduler = Scheduler(
             self.model, self.pool, max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs
