@@ -149,8 +149,8 @@ def test_unknown_model_and_too_long_requests(tmp_path):
         assert "max_tokens is 600 but the context holds 512 positions" in r.json()["error"]["message"]
         assert loads(url) == 1
         plan = httpx.get(url + f"/v1/models/{B}/plan").json()
-        assert plan["context"] == 512 and plan["kv_tokens"] == 704  # 32 MiB / (16 x 46,080 B) = 45 blocks
-        assert plan["kv_line"] == "KV cache: 704 tokens, maximum concurrency at context 512: 1.38x"
+        assert plan["context"] == 512 and plan["kv_tokens"] == 720  # 32 MiB // (16 x 46,080 B) = 45 blocks
+        assert plan["kv_line"] == "KV cache: 720 tokens, maximum concurrency at context 512: 1.41x"
         assert httpx.get(url + "/v1/models/llama-9000/plan").status_code == 404
 
 
@@ -189,3 +189,12 @@ def test_bench_alternate_switches_every_request_sticky_once(tmp_path):
     assert [r["model"] for r in patterns["alternate"]["per_request"]] == [A, B, A, B]
     assert patterns["alternate"]["switches"] == 4 and patterns["alternate"]["evictions"] == 4
     assert patterns["sticky"]["switches"] == 2 and patterns["sticky"]["ok"] == 4
+
+
+@pytest.mark.parametrize("model", ["gemma3-270m", "smollm2-135m-instruct:int8"])
+def test_measured_rss_after_a_load_is_within_10_percent_of_the_plan(tmp_path, model):
+    with running_server(tmp_path, *SMALL, "--memory-budget", "2GiB", model=model) as (url, _):
+        plan = httpx.get(url + f"/v1/models/{model}/plan").json()
+        planned, measured = plan_vs_rss(url)
+        assert planned == plan["total"]
+        assert abs(measured - planned) / planned < 0.10, (planned, measured)
