@@ -190,11 +190,3 @@ def test_bench_alternate_switches_every_request_sticky_once(tmp_path):
     assert patterns["alternate"]["switches"] == 4 and patterns["alternate"]["evictions"] == 4
     assert patterns["sticky"]["switches"] == 2 and patterns["sticky"]["ok"] == 4
 
-
-@pytest.mark.parametrize("model", ["gemma3-270m", "smollm2-135m-instruct:int8"])
-def test_measured_rss_after_a_load_is_within_10_percent_of_the_plan(tmp_path, model):
-    with running_server(tmp_path, *SMALL, "--memory-budget", "2GiB", model=model) as (url, _):
-        plan = httpx.get(url + f"/v1/models/{model}/plan").json()
-        planned, measured = plan_vs_rss(url)
-        assert planned == plan["total"]
-        assert abs(measured - planned) / planned < 0.10, (planned, measured)
