@@ -86,6 +86,10 @@ class KVCachePoolTooSmall(InvalidRequestError):
     """A request needs more KV-cache blocks than the whole paged pool holds: it could never run."""
 
 
+class MemoryBudgetError(InvalidRequestError):
+    """A model does not fit the memory budget (the message gives the plan's numbers and the fix)."""
+
+
 class SamplingParamsError(InvalidRequestError):
     """A sampling value is out of its allowed range (the message names value and range)."""
 

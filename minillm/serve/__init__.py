@@ -26,6 +26,7 @@ def add_commands(sub) -> None:
     """Add ``serve`` and ``bench`` to the CLI's subparsers; each sets ``args.run_command(args) -> int``."""
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
     s.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"name or local folder (default {DEFAULT_MODEL})")
+    _add_multi_model_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument(
@@ -54,10 +55,10 @@ def add_commands(sub) -> None:
     s.add_argument(
         "--kv-cache-mib",
         type=float,
-        default=512.0,
+        default=None,
         metavar="MIB",
-        help="the paged KV-cache pool the running requests share (default 512); a request that could never "
-        "fit is refused with 400",
+        help="the paged KV-cache pool the running requests share (default 512, or with --memory-budget what "
+        "the budget leaves); a request that could never fit is refused with 400",
     )
     s.add_argument(
         "--max-batched-tokens",
@@ -112,6 +113,18 @@ def add_commands(sub) -> None:
     s.set_defaults(run_command=_serve)
 
     b = sub.add_parser("bench", help="load-test an OpenAI-compatible server (minillm, vLLM, llama.cpp)")
+    b.add_argument(
+        "--models",
+        default=None,
+        metavar="A,B",
+        help="switching bench (bench_switch.py): requests one at a time over these models, in --pattern order",
+    )
+    b.add_argument(
+        "--pattern",
+        default="alternate,sticky",
+        help="with --models: alternate (every request switches), sticky (one block per model), or both "
+        "(default: %(default)s)",
+    )
     b.add_argument(
         "--url", default="http://127.0.0.1:8000", help="the server's base URL, without /v1 (default: %(default)s)"
     )
@@ -207,6 +220,65 @@ def require_extra(command: str) -> None:
             raise MissingExtraError.for_module(module, "serve", f"minillm {command}") from None
 
 
+def _add_multi_model_args(s) -> None:
+    """Several models behind one server (models.py); MODEL[:DTYPE] holds a model at that weight dtype."""
+    s.add_argument(
+        "--model",
+        dest="models",
+        action="append",
+        default=[],
+        metavar="NAME[:DTYPE]",
+        help="one more model to serve, loaded on demand (repeatable); a :float32, :bfloat16 or :int8 suffix "
+        "holds its weights at that precision (clients name it with the suffix)",
+    )
+    s.add_argument(
+        "--weight-dtype",
+        choices=("float32", "bfloat16", "int8"),
+        default=None,
+        help="how models without a :DTYPE suffix hold their weights (default float32)",
+    )
+    s.add_argument(
+        "--memory-budget",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="bytes all loaded models may use, e.g. 2GiB or 1536MiB; a model that cannot hold one full-context "
+        "request is refused at startup, and loading past it evicts the least recently used idle model",
+    )
+    s.add_argument(
+        "--keep-alive",
+        type=_keep_alive,
+        default=None,
+        metavar="SECONDS",
+        help="how long an idle model stays loaded (0: unload as soon as it is idle; -1: never; default -1)",
+    )
+    s.add_argument(
+        "--max-loaded-models", type=int, default=None, metavar="N", help="models loaded at once (default: no limit)"
+    )
+
+
+def _size(text: str) -> int:
+    from minillm.errors import InvalidRequestError
+    from minillm.runtime.memory_plan import parse_size
+
+    try:
+        return parse_size(text)
+    except InvalidRequestError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _keep_alive(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = None
+    if seconds is None or seconds != seconds or seconds < -1:
+        raise argparse.ArgumentTypeError(
+            f"--keep-alive takes seconds >= 0, or -1 to never unload an idle model; got {text!r}"
+        )
+    return seconds
+
+
 def _serve(args: argparse.Namespace) -> int:
     require_extra("serve")
     from .server import run_server
@@ -216,6 +288,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     require_extra("bench")
+    if args.models:  # switching between models (bench_switch.py)
+        from .bench_switch import run_switch_command
+
+        return run_switch_command(args)
     from .bench import run_bench_command
 
     return run_bench_command(args)

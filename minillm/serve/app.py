@@ -140,6 +140,8 @@ def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAU
 
     @app.get("/v1/models", response_model=p.ModelList)
     async def models():
+        if hasattr(worker, "model_cards"):  # several models (models.py): state, dtype, resident bytes
+            return p.ModelList(data=[p.ModelCard(**card) for card in worker.model_cards()])
         return p.ModelList(data=[p.ModelCard(id=served_model)])
 
     @app.get("/v1/traces/{request_id}", responses={404: {"model": p.ErrorResponse}})
@@ -223,7 +225,7 @@ def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAU
             raise _runtime_error(first[1])
         if body.stream:
             return StreamingResponse(
-                _sse(job, first, body, served_model, chat, watcher), headers=headers, media_type="text/event-stream"
+                _sse(job, first, body, body.model, chat, watcher), headers=headers, media_type="text/event-stream"
             )
         try:
             item = first
@@ -233,7 +235,7 @@ def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAU
             watcher.cancel()
         if item[0] == "error":
             raise _runtime_error(item[1])
-        response = _final_response(item[1], request_id, served_model, chat)
+        response = _final_response(item[1], request_id, body.model, chat)
         return JSONResponse(response.model_dump(), headers=headers)
 
     return app
@@ -248,10 +250,12 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
     Raises:
         APIError: 404 unknown model, 503 not ready, 400 max_tokens over the context or bad sampling values.
     """
-    if body.model != served_model:
+    slots = getattr(worker, "slots", None)  # several models (models.py): served name -> slot
+    served = list(slots) if slots is not None else [served_model]
+    if body.model not in served:
         raise APIError(
             404,
-            f"model {body.model!r} not found; this server serves {served_model!r} (GET /v1/models)",
+            f"model {body.model!r} not found; this server serves {', '.join(map(repr, served))} (GET /v1/models)",
             "not_found_error",
             "model",
             "model_not_found",
@@ -277,14 +281,15 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         )
     if guard.token_bytes is None:
         guard.token_bytes = max_token_bytes(worker.model.tokenizer)
-    if (message := prompt_too_long(prompt, worker.context, guard.token_bytes)) is not None:
+    context = slots[body.model].context if slots is not None else worker.context
+    if (message := prompt_too_long(prompt, context, guard.token_bytes)) is not None:
         guard.counters.refused.labels(reason="prompt_too_long").inc()
         raise APIError(400, message, param="messages" if chat else "prompt", code="context_length_exceeded")
-    if max_tokens is not None and max_tokens > worker.context:
+    if max_tokens is not None and max_tokens > context:
         raise APIError(
             400,
-            f"max_tokens is {max_tokens:,} but the context holds {worker.context:,} positions "
-            f"(prompt included); ask for at most {worker.context - 1:,}",
+            f"max_tokens is {max_tokens:,} but the context holds {context:,} positions "
+            f"(prompt included); ask for at most {context - 1:,}",
             param="max_tokens",
         )
     try:
@@ -304,6 +309,7 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         Channel(guard, request_id),
         slow_motion_s=body.slow_motion_s,
         fault=body.minillm_test_fault.model_dump() if body.minillm_test_fault is not None else None,
+        model=body.model,
     )
 
 
@@ -349,6 +355,7 @@ def _usage(o: Outcome) -> p.UsageInfo:
         completion_tokens=o.completion_tokens,
         total_tokens=o.prompt_tokens + o.completion_tokens,
         prompt_tokens_details=p.PromptTokensDetails(cached_tokens=o.cached_tokens),
+        load_s=o.load_s,
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 # The trace keeps the top 5 candidates of every step; logprobs cannot list more.
 MAX_TOP_LOGPROBS = 5
@@ -84,6 +84,7 @@ class UsageInfo(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    load_s: float = 0.0  # minillm: seconds of the model load this request waited for (ollama's load_duration)
 
 
 class TopLogprob(BaseModel):
@@ -173,6 +174,7 @@ class Completion(BaseModel):
 
 
 class ModelCard(BaseModel):
+    model_config = ConfigDict(extra="allow")  # a multi-model server adds state, weight_dtype, resident bytes
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))

@@ -35,7 +35,8 @@ def run_server(args: argparse.Namespace) -> int:
         (args.keep_traces >= 1, "--keep-traces must be >= 1"),
         (args.startup_delay >= 0, "--startup-delay must be >= 0 seconds"),
         (args.max_num_seqs >= 1, "--max-num-seqs must be >= 1"),
-        (args.kv_cache_mib > 0, "--kv-cache-mib must be > 0"),
+        (args.kv_cache_mib is None or args.kv_cache_mib > 0, "--kv-cache-mib must be > 0"),
+        (args.max_loaded_models is None or args.max_loaded_models >= 1, "--max-loaded-models must be >= 1"),
         (args.max_batched_tokens >= 1, "--max-batched-tokens must be >= 1"),
         (args.block_size >= 1, "--block-size must be >= 1"),
         (args.events_buffer >= 1, "--events-buffer must be >= 1"),
@@ -50,12 +51,16 @@ def run_server(args: argparse.Namespace) -> int:
         if not ok:
             err.print(f"[bold red]error:[/] {message}")
             return 2
+    console = Console(highlight=False)
+    if _several_models(args):  # models.py: plans, on-demand loads, eviction
+        from .multi_server import run_registry
+
+        return run_registry(args, console, err)
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
         err.print(f"[bold red]error:[/] {port_problem(args.host, args.port, exc)}", soft_wrap=True)
         return 2
-    console = Console(highlight=False)
     metrics = ServerMetrics()
     worker = Worker(
         args.model,
@@ -70,7 +75,7 @@ def run_server(args: argparse.Namespace) -> int:
         startup_delay_s=args.startup_delay,
         keep_traces=args.keep_traces,
         max_num_seqs=args.max_num_seqs,
-        kv_cache_mib=args.kv_cache_mib,
+        kv_cache_mib=args.kv_cache_mib if args.kv_cache_mib is not None else 512.0,
         max_batched_tokens=args.max_batched_tokens,
         block_size=args.block_size,
         events=EventBus(args.events_buffer, args.max_event_subscribers, log=console.print),
@@ -144,3 +149,9 @@ def port_problem(host: str, port: int, exc: OSError) -> str:
             f"running); stop it, or pass another port with --port"
         )
     return f"cannot listen on {host}:{port} ({exc.strerror or exc}); check --host and --port"
+
+
+def _several_models(args: argparse.Namespace) -> bool:
+    """True when a flag of models.py is in use; one plain model keeps the single-model worker."""
+    flags = (args.memory_budget, args.keep_alive, args.max_loaded_models, args.weight_dtype)
+    return bool(args.models) or any(f is not None for f in flags) or ":" in args.model

@@ -64,6 +64,8 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)  # seconds (perf_counter)
     slow_motion_s: float = 0.0  # seconds it sits out after each of its steps (the live page's control)
     fault: dict | None = None  # --test-faults only: {"stage": ..., "at_token": N} (reliability.py)
+    model: str = ""  # the served name the request named (a multi-model server routes by it)
+    load_s: float = 0.0  # seconds of the model load this request waited for (models.py), else 0
 
     def send(self, kind: str, value) -> None:
         """Hand an item to the event loop thread-safely (never blocks the worker)."""
@@ -82,6 +84,7 @@ class Outcome:
     ttft_s: float | None  # from arrival (queue wait included) to the first token; None if no token
     logprobs: list[dict] | None  # one entry per output token: token, logprob, top alternatives
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the pool's prefix cache
+    load_s: float = 0.0  # seconds of the model load the request waited for (ollama's load_duration)
 
 
 class QueueFullError(Exception):
@@ -360,6 +363,7 @@ class Worker:
                 ttft,
                 logprobs,
                 m.cached_prompt_tokens,
+                job.load_s,
             ),
         )
 

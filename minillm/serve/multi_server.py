@@ -1,0 +1,108 @@
+"""``minillm serve A --model B ...``: the plans at startup (a rich table each), then the registry behind the app.
+
+GET /v1/models/{id}/plan    that model's memory plan as JSON (memory_plan.MemoryPlan.to_dict)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.table import Table
+
+from minillm.errors import MiniLLMError
+from minillm.runtime.memory_plan import MemoryPlan, format_bytes
+
+from .models import ModelRegistry, ModelSpec
+
+
+def plan_table(plan: MemoryPlan) -> Table:
+    """The plan as a rich table: part, bytes, how it was computed."""
+    table = Table(title=f"memory plan: {plan.model} ({plan.weight_dtype})", title_justify="left")
+    table.add_column("part")
+    table.add_column("bytes", justify="right")
+    table.add_column("from")
+    for part, nbytes, how in plan.rows():
+        table.add_row(part, format_bytes(nbytes), how, style="bold" if part == "total" else None)
+    return table
+
+
+def build_registry(args: argparse.Namespace, console: Console) -> ModelRegistry:
+    """The registry for ``args`` with every plan made. Raises MemoryBudgetError (and what resolving raises)."""
+    from .metrics import ServerMetrics
+
+    dtype = args.weight_dtype or "float32"
+    names = [args.served_model_name or args.model, *args.models]
+    specs = [ModelSpec.parse(args.model, dtype), *(ModelSpec.parse(m, dtype) for m in args.models)]
+    if args.served_model_name:
+        specs[0] = ModelSpec(args.served_model_name, specs[0].source, specs[0].weight_dtype)
+    if len(set(names)) != len(names):
+        raise MiniLLMError(f"a model is named twice in {names}; give each served model once.")
+    registry = ModelRegistry(
+        specs,
+        metrics=ServerMetrics(),
+        budget=args.memory_budget,
+        keep_alive_s=-1.0 if args.keep_alive is None else args.keep_alive,
+        max_loaded=args.max_loaded_models,
+        kv_cache_mib=args.kv_cache_mib,
+        startup_delay_s=args.startup_delay,
+        console=console,
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout,
+        max_seq_len=args.max_seq_len,
+        threads=args.threads,
+        warmup=not args.no_warmup,
+        verbosity=args.verbosity,
+        keep_traces=args.keep_traces,
+        max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens,
+        block_size=args.block_size,
+    )
+    registry.plan_all()
+    return registry
+
+
+def add_routes(app, registry: ModelRegistry) -> None:
+    """``GET /v1/models/{id}/plan``: the plan as JSON; 404 naming the served models."""
+    from .app import APIError
+
+    @app.get("/v1/models/{model_id:path}/plan")
+    async def plan(model_id: str):
+        slot = registry.slots.get(model_id)
+        if slot is None:
+            served = ", ".join(map(repr, registry.slots))
+            raise APIError(404, f"model {model_id!r} not found; this server serves {served}", "not_found_error")
+        return {**slot.plan.to_dict(), "state": slot.state, "measured_process_bytes": _rss_now()}
+
+
+def _rss_now() -> int:
+    from .models import _rss
+
+    return _rss()
+
+
+def run_registry(args: argparse.Namespace, console: Console, err: Console) -> int:
+    """Plan every model (refusing one that cannot fit, exit status 2), print the plans, serve."""
+    import uvicorn
+
+    from .app import create_app
+
+    try:
+        registry = build_registry(args, console)
+    except MiniLLMError as exc:
+        err.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
+        return 2
+    for slot in registry.slots.values():
+        console.print(plan_table(slot.plan))
+        console.print(slot.plan.kv_line())
+    if registry.budget is not None:
+        console.print(f"memory budget {format_bytes(registry.budget)}; runtime {format_bytes(registry.runtime_bytes)}")
+    app = create_app(registry, registry.specs[0].served)
+    add_routes(app, registry)
+    names = ", ".join(registry.slots)
+    console.print(
+        f"minillm serve: {names} on http://{args.host}:{args.port} (loading {registry.specs[0].served} in the "
+        "background; GET /health answers 200 when it is ready, the others load on demand)"
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+    return 0
