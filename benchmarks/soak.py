@@ -163,8 +163,9 @@ def _start(args) -> tuple[subprocess.Popen, str, Path]:
     raise RuntimeError(f"the server did not become ready:\n{log.read_text()}")
 
 
-def _verdict(rows: list[dict], tally: Counter, rss_growth: float) -> list[str]:
-    """What grew or went wrong: an empty list means the soak passed."""
+def _verdict(rows: list[dict], tally: Counter, rss_growth: float, start: dict | None = None) -> list[str]:
+    """What grew or went wrong: an empty list means the soak passed. ``start``: the server's threads
+    and descriptors before the first request (a count above both it and the first phase's is a leak)."""
     first, last = rows[0], rows[-1]
     problems = [f"{k}: {v}" for k, v in tally.items() if " 5xx" in k and not k.startswith("fault")]
     problems += [f"{k}: {v}" for k, v in tally.items() if "Error" in k and not k.startswith("cancel")]
@@ -173,7 +174,9 @@ def _verdict(rows: list[dict], tally: Counter, rss_growth: float) -> list[str]:
     if last["tracked"] != 0:
         problems.append(f"the worker still tracks {last['tracked']} requests")
     for key in ("threads", "fds"):
-        if last[key] > first[key]:  # fewer is no leak: a client connection may close a moment later
+        # fewer is no leak (a client connection may close a moment later): only a count above both the
+        # start's and the first phase's is one
+        if last[key] > max(first[key], (start or first)[key]):
             problems.append(f"{key}: {first[key]} after the first phase, {last[key]} at the end")
     if last["rss_bytes"] > first["rss_bytes"] * (1 + rss_growth):
         problems.append(f"RSS grew {last['rss_bytes'] / first['rss_bytes'] - 1:.1%} (limit {rss_growth:.0%})")
@@ -197,8 +200,9 @@ def main(argv=None) -> int:
     rows = []
     try:
         m = _idle(url)
-        start_fds = _proc(proc.pid)["fds"]
-        print(f"start: {_proc(proc.pid)}, KV blocks in use {m['minillm_kv_cache_blocks_used']:.0f}")
+        start_row = _proc(proc.pid)
+        start_fds = start_row["fds"]
+        print(f"start: {start_row}, KV blocks in use {m['minillm_kv_cache_blocks_used']:.0f}")
         for start in range(0, args.requests, args.phase):
             n = min(args.phase, args.requests - start)
             _phase(url, start, n, args.concurrency, tally)
@@ -214,7 +218,7 @@ def main(argv=None) -> int:
     finally:
         proc.terminate()
         code = proc.wait(timeout=60)
-    problems = _verdict(rows, tally, args.rss_growth)
+    problems = _verdict(rows, tally, args.rss_growth, start_row)
     print("outcomes:", dict(sorted(tally.items())))
     print("bug counter:", failed, "; server exit status", code)
     print("PASS" if not problems else "FAIL: " + "; ".join(problems))
