@@ -18,6 +18,7 @@ from minillm.model.config import ModelConfig
 from minillm.model.kv_cache import KVCache
 from minillm.model.paged_kv_cache import KVCachePool
 from minillm.observe.events import TraceEvent, Tracer, plot_timeline
+from minillm.runtime.constraint import Constraint
 from minillm.runtime.generate import generate, generate_batch, stream
 from minillm.runtime.loading import Model, load, run_warmup
 from minillm.runtime.request import GenerationResult
@@ -26,6 +27,7 @@ from minillm.runtime.steps import decode_step, detokenize, prefill, sample, toke
 from minillm.runtime.stopping import StopReason
 
 __all__ = [
+    "Constraint",
     "GenerationResult",
     "KVCache",
     "KVCachePool",
