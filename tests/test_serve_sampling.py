@@ -7,6 +7,8 @@ makes this test fail until minillm implements or refuses it.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from openai.types import completion_create_params as completion_params
@@ -184,6 +186,87 @@ def test_neutral_values_of_unimplemented_fields_are_accepted(url):
 
 
 def check_response_format(url) -> None:
-    """Slice 1: only text is implemented; json formats are refused until constrained decoding."""
-    assert text(chat(url, temperature=0, response_format={"type": "text"})) == text(chat(url, temperature=0))
-    refused(url, "chat/completions", "response_format", {"type": "json_object"}, CHAT_BASE)
+    """text: unchanged; json_object: a JSON object (the free answer is not one); a bad type: 400."""
+    plain = text(chat(url, temperature=0))
+    assert text(chat(url, temperature=0, response_format={"type": "text"})) == plain
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(plain)
+    out = chat(url, temperature=0, response_format={"type": "json_object"}, max_tokens=60)
+    assert isinstance(json.loads(text(out)), dict), text(out)
+    r = post(url, "chat/completions", **CHAT_BASE, response_format={"type": "xml"})
+    assert r.status_code == 400 and "response_format" in r.json()["error"]["message"]
+
+
+# --- constrained decoding through the official client ----------------------------------------------
+SCHEMAS = [
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1,
+     "maxItems": 3}}, "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {"x": {"type": "integer"}},
+     "required": ["x"], "additionalProperties": False}}, "required": ["p"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 5}, "minItems": 2, "maxItems": 2},
+    {"type": "string", "enum": ["yes", "no"]},
+]
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def schema_format(schema: dict, name: str = "answer") -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def test_response_format_streamed_and_not_give_equal_text(client):
+    messages = [{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}]
+    kwargs = dict(model=MODEL, messages=messages, temperature=0, max_tokens=40, response_format=schema_format(SCHEMAS[0]))
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+                       if c.choices)
+    assert streamed == whole
+    assert set(json.loads(whole)) == {"city"}
+
+
+def test_eight_concurrent_constrained_requests_each_follow_their_own_schema(client):
+    import jsonschema
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(j: int) -> str:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Answer {j} in JSON."}], temperature=1.0, seed=j,
+            max_tokens=60, response_format=schema_format(SCHEMAS[j], f"s{j}"),
+        )
+        assert r.choices[0].finish_reason == "stop", r
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    for schema, answer in zip(SCHEMAS, answers, strict=True):
+        jsonschema.validate(json.loads(answer), schema)
+
+
+def test_invalid_schema_is_a_400_naming_the_wrong_part(client):
+    import openai
+
+    bad = {"type": "object", "properties": {"age": {"type": "integr"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       response_format=schema_format(bad))
+    error = err.value.body
+    assert error["param"] == "response_format" and "$.properties.age.type" in error["message"], error
+    assert "integr" in error["message"]
+
+
+def test_max_tokens_cutting_the_json_short_is_length_with_an_error(url):
+    out = chat(url, temperature=0, max_tokens=4, response_format=schema_format(SCHEMAS[0]))
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "length" and "will not parse" in choice["minillm_error"]
