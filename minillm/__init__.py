@@ -21,6 +21,7 @@ from minillm.model.config import ModelConfig
 from minillm.model.kv_cache import KVCache
 from minillm.model.paged_kv_cache import KVCachePool
 from minillm.observe.events import TraceEvent, Tracer, plot_timeline
+from minillm.runtime.constraint import Constraint
 from minillm.runtime.conversation import Conversation
 from minillm.runtime.generate import generate, generate_batch, stream
 from minillm.runtime.loading import Model, load, run_warmup
@@ -31,6 +32,7 @@ from minillm.runtime.stopping import StopReason
 
 __all__ = [
     "Conversation",
+    "Constraint",
     "GenerationResult",
     "KVCache",
     "KVCachePool",

@@ -359,7 +359,7 @@ BAD = [  # (path, body or raw text, status, words the message must contain)
     ("chat", chat_body(seed=-1), 400, ["seed", "0"]),
     ("chat", chat_body(top_k=-1), 400, ["top_k", "0"]),
     ("chat", chat_body(repetition_penalty=0), 400, ["repetition_penalty", "0"]),
-    ("chat", chat_body(logprobs=True, top_logprobs=6), 400, ["top_logprobs", "5"]),
+    ("chat", chat_body(logprobs=True, top_logprobs=21), 400, ["top_logprobs", "20"]),
     ("chat", chat_body(stream=5), 400, ["stream"]),
     ("completions", {"model": MODEL, "prompt": ""}, 400, ["prompt"]),
     ("completions", {"model": MODEL, "prompt": "Hi", "logprobs": 10}, 400, ["logprobs", "5"]),

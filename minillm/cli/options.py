@@ -30,6 +30,7 @@ def add_request_args(p: argparse.ArgumentParser, *, conversation: bool = False) 
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x top probability")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same tokens)")
+    add_openai_sampling_args(p)
     p.add_argument(
         "--stop",
         action="append",
@@ -128,6 +129,55 @@ def add_request_args(p: argparse.ArgumentParser, *, conversation: bool = False) 
         "(in chat: the user message)",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def add_openai_sampling_args(p: argparse.ArgumentParser) -> None:
+    """OpenAI's sampling fields (minillm/runtime/sampling.py), and a grammar the output must follow."""
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="minus count x this per generated id")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="minus this once per generated id")
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        default=None,
+        type=_bias,
+        metavar="ID=BIAS",
+        help="add BIAS in [-100, 100] to token ID's logit, e.g. 28=-100 bans ',' (repeatable)",
+    )
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--json-schema", metavar="JSON|PATH", help="the output is JSON valid against this schema")
+    how.add_argument("--regex", metavar="PATTERN", help="the whole output matches PATTERN")
+    how.add_argument("--grammar", metavar="LARK|PATH", help="the output follows this Lark-style grammar")
+
+
+def constraint_of(args: argparse.Namespace):
+    """--json-schema / --regex / --grammar -> a Constraint or None (text or a file's path)."""
+    import json
+    from pathlib import Path
+
+    from minillm.errors import InvalidRequestError
+    from minillm.runtime.constraint import Constraint
+
+    def text(value: str) -> str:
+        path = Path(value).expanduser()
+        return path.read_text(encoding="utf-8") if len(value) < 4096 and path.is_file() else value
+
+    if args.json_schema:
+        try:
+            return Constraint.json_schema(json.loads(text(args.json_schema)))
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"--json-schema is neither a file nor JSON ({exc}); give a schema") from None
+    if args.regex:
+        return Constraint.regex(args.regex)
+    return Constraint.lark(text(args.grammar)) if args.grammar else None
+
+
+def _bias(text: str) -> tuple[int, float]:
+    """'28=-100' -> (28, -100.0) (argparse type for --logit-bias)."""
+    try:
+        token, bias = text.split("=")
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS such as 28=-100, got {text!r}") from None
 
 
 def _id_list(text: str) -> list[int]:

@@ -9,6 +9,8 @@ import threading
 
 from rich.console import Console
 
+from minillm.cli.options import constraint_of
+
 
 def read_attachment(path: str) -> tuple[str, str]:
     """``(name, text)`` of ``--file PATH`` (``-``: stdin), UTF-8.
@@ -160,6 +162,7 @@ def run_request(args: argparse.Namespace, console: Console) -> int:
             kv_dtype=args.kv_dtype,
             cancel=cancel,
             result=results,
+            constraint=constraint_of(args),
         ):
             if args.verbosity == "quiet":  # only the text, as it arrives
                 sys.stdout.write(delta)

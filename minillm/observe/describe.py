@@ -230,6 +230,21 @@ def decode(
     )
 
 
+def mask(model, allowed: np.ndarray, token: int, forced: list[int]) -> dict[str, Any]:
+    """A constraint's mask step: how many ids the grammar allowed, the token chosen, the forced run."""
+    tok = model.tokenizer
+    ids = np.flatnonzero(allowed)
+    return dict(
+        allowed=int(ids.size),
+        vocab=int(allowed.size),
+        allowed_pieces=[tok.piece_for_display(int(i)) for i in ids[:8]],  # the first few, by id
+        token=int(token),
+        piece=tok.piece_for_display(int(token)),
+        forced=[int(f) for f in forced],
+        forced_pieces=[tok.piece_for_display(int(f)) for f in forced],
+    )
+
+
 def batch_step(
     model,
     step: int,

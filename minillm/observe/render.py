@@ -233,6 +233,19 @@ class Renderer:
             overflow="ellipsis",
         )
 
+    def _mask(self, e: TraceEvent) -> None:
+        """A constraint's mask: every step at -v full, else only the steps that forced a run."""
+        d = e.data
+        if not d["forced"] and self.tracer.verbosity != "full":
+            return
+        few = " ".join(d["allowed_pieces"]) if d["allowed"] <= 8 else ""
+        forced = f"; forced run of {len(d['forced'])}: {''.join(d['forced_pieces'])}" if d["forced"] else ""
+        self.console.print(
+            f"[dim]mask: {d['allowed']:,} of {d['vocab']:,} ids allowed {escape(few)} ({e.duration * 1e3:.2f} ms)"
+            f" -> {escape(d['piece'])}{escape(forced)}[/]",
+            highlight=False,
+        )
+
     def _batch_step(self, e: TraceEvent) -> None:
         """One line per scheduler step; the block tables and the pool when requests joined or left."""
         c, d = self.console, e.data

@@ -42,12 +42,14 @@ def stream(
         **options: the request's options, checked by :class:`~minillm.runtime.request.Request`:
             ``max_new_tokens`` (64), ``chat``, ``rng``, ``max_seq_len``, ``cache``, ``kv_dtype``
             (``"float32"`` | ``"float16"`` | ``"int8"``: how the request's KV cache holds entries), ``stop``,
-            ``stop_token_ids``, ``include_stop_string``, ``timeout_s``, ``cancel``.
+            ``stop_token_ids``, ``include_stop_string``, ``timeout_s``, ``cancel``, ``constraint`` (a
+            dict JSON schema or a ``Constraint``: the output follows it; ``constraint.py``).
 
     Raises:
         InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
             sequence, ``timeout_s <= 0``, a ``cancel`` that is neither Event nor callable, an
-            unknown option, a ``kv_dtype`` outside float32 | float16 | int8.
+            unknown option, a ``kv_dtype`` outside float32 | float16 | int8, an invalid constraint (naming
+            what is wrong) or llguidance missing for one.
         ContextWindowExceeded: the prompt leaves no room for a new token (before prefill).
     """
     if unknown := sorted(set(options) - Request.OPTIONS):
@@ -73,7 +75,11 @@ def run(request: Request, result: list | None = None) -> Iterator[str]:
                 yield from request.take(logits, t)  # the first new token: TTFT ends here
             while request.running():
                 t = time.perf_counter()
-                logits = decode_step(model, request.new_ids[-1], request.cache)  # one position, cache reused
+                fed = request.pending()  # the last token; with a constraint, any run it forced after it
+                if len(fed) == 1:
+                    logits = decode_step(model, fed[0], request.cache)  # one position, cache reused
+                else:
+                    logits = prefill(model, fed, request.cache)  # a forced run: one pass, like a prompt chunk
                 yield from request.take(logits, t)
         except KeyboardInterrupt:  # Ctrl-C during the model's work ends the request cleanly, as a cancel
             request.cancel("KeyboardInterrupt (Ctrl-C)")
@@ -139,8 +145,9 @@ def generate_batch(
             used/free, prefix hits, preemptions, block tables), e.g. ``minillm.Tracer``.
         **options: request options for every prompt, as :func:`stream` (``chat``, ``stop``,
             ``stop_token_ids``, ``include_stop_string``, ``timeout_s``, ``cancel``, ``rng``,
-            ``max_seq_len``); not ``cache``; ``kv_dtype`` only ``"float32"`` (the paged pool's blocks
-            are float32; float16/int8 KV work with :func:`generate` and :func:`stream`).
+            ``max_seq_len``, ``constraint``: one per prompt through ``per_prompt``); not ``cache``;
+            ``kv_dtype`` only ``"float32"`` (the paged pool's blocks are float32; float16/int8 KV work
+            with :func:`generate` and :func:`stream`).
 
     Returns:
         one :class:`GenerationResult` per prompt, in the prompts' order; ``metrics`` adds

@@ -6,146 +6,18 @@ measurements. ``generate.stream`` drives it; it lives exactly as long as the req
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from minillm.errors import ContextWindowExceeded, InvalidRequestError
 from minillm.model.kv_cache import KV_DTYPES, KVCache
+from minillm.runtime import constraint as constraint_module
 from minillm.runtime import sampling, steps
 from minillm.runtime.loading import Model
+from minillm.runtime.result import GenerationResult, RequestMetrics  # noqa: F401 (re-exported)
 from minillm.runtime.sampling import SamplingParams
-from minillm.runtime.stopping import StopCriteria, StopReason, StopSequenceMatcher, StopStringMatcher, cancel_check
+from minillm.runtime.stopping import OutputStream, StopCriteria, StopReason, cancel_check
 from minillm.text.detokenize import IncrementalDetokenizer
-
-
-@dataclass
-class RequestMetrics:
-    """Measured times (seconds) and sizes (tokens, bytes) of one request.
-
-    TTFT: request start (before tokenization) -> first new token sampled. TPOT: the wall time of
-    each decode step (one forward over one position plus sampling). Prefill tokens/s = prompt
-    tokens / prefill seconds; decode tokens/s = 1 / mean TPOT.
-    """
-
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    tokenize_s: float = 0.0
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_step_s: list[float] = field(default_factory=list)
-    total_s: float = 0.0
-    kv_dtype: str = "float32"  # how the KV cache held its entries (KVCache dtype)
-    kv_bytes_per_token: int = 0
-    kv_bytes_used: int = 0
-    kv_bytes_reserved: int = 0
-    cached_prompt_tokens: int = 0  # prompt positions reused from a paged pool's prefix cache (batching)
-    preemptions: int = 0  # times the batch scheduler took this request's blocks back to recompute later
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
-
-    @property
-    def tpot_s(self) -> float:
-        """Mean decode step time in seconds (NaN when there was no decode step)."""
-        return float(np.mean(self.decode_step_s)) if self.decode_step_s else float("nan")
-
-    def tpot_percentile(self, q: float) -> float:
-        """The ``q``-th percentile of the decode step times, seconds (NaN without decode steps)."""
-        return float(np.percentile(self.decode_step_s, q)) if self.decode_step_s else float("nan")
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return 1.0 / self.tpot_s if self.decode_step_s else float("nan")
-
-    def rates(self) -> dict:
-        """The per-token rates ``Model.history`` keeps: prompt tokens, TTFT seconds per prompt token
-        (NaN without a first token), mean TPOT seconds (NaN without decode steps)."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            # NaN when no first token came (cancelled or timed out before it): nothing was measured
-            "prefill_s_per_token": self.ttft_s / max(self.prompt_tokens, 1) if self.ttft_s > 0 else float("nan"),
-            "tpot_s": self.tpot_s,
-        }
-
-    def to_dict(self) -> dict:
-        """Every field and derived rate, as plain data."""
-        d = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        d["decode_step_s"] = list(self.decode_step_s)
-        d.update(
-            prefill_tokens_per_s=self.prefill_tokens_per_s,
-            tpot_s=self.tpot_s,
-            tpot_p50_s=self.tpot_percentile(50),
-            tpot_p90_s=self.tpot_percentile(90),
-            decode_tokens_per_s=self.decode_tokens_per_s,
-        )
-        return d
-
-
-@dataclass
-class GenerationResult:
-    """What ``generate`` returns: the new text and ids, why it stopped, and the measurements."""
-
-    text: str  # what the user sees: no EOS text, no stop string (unless asked), no half characters
-    ids: list[int]  # every new token id, the stopping EOS / stop sequence included
-    prompt_ids: list[int]
-    stop_reason: StopReason
-    metrics: RequestMetrics
-    stop_condition: object = None  # which condition fired: the stop string, the id sequence, ...
-
-
-class OutputStream:
-    """Generated ids in, text a user may see out, for one request.
-
-        id -> StopSequenceMatcher (hold) -> IncrementalDetokenizer -> StopStringMatcher (hold) -> delta
-
-    Args:
-        detokenizer: an :class:`~minillm.text.detokenize.IncrementalDetokenizer` (``add(id) -> str``,
-            ``flush() -> str``); may be set after construction, before the first :meth:`add`.
-        stop: stop strings; ``stop_token_ids``: id sequences.
-        include_stop_string: show the matched stop string (or the stop sequence's text).
-
-    After :meth:`add` or :meth:`finish`, ``stop_reason`` is ``STOP_STRING`` / ``STOP_SEQUENCE``
-    once one fired, and ``condition`` names it (the string, or the id list).
-    """
-
-    def __init__(self, detokenizer, *, stop: Iterable[str] = (), stop_token_ids=(), include_stop_string: bool = False):
-        self.detokenizer = detokenizer
-        self.strings = StopStringMatcher(stop, include_stop_string=include_stop_string)
-        self.sequences = StopSequenceMatcher(stop_token_ids or [], include=include_stop_string)
-        self.stop_reason: StopReason | None = None
-        self.condition: str | list[int] | None = None
-
-    @property
-    def text(self) -> str:
-        """Everything released so far."""
-        return self.strings.text
-
-    def _to_text(self, ids: list[int], final: bool = False) -> str:
-        pieces = "".join(self.detokenizer.add(i) for i in ids)
-        if final:
-            pieces += self.detokenizer.flush()
-        delta = self.strings.push(pieces)
-        if self.strings.matched is not None and self.stop_reason is None:
-            self.stop_reason, self.condition = StopReason.STOP_STRING, self.strings.matched
-        return delta
-
-    def add(self, token_id: int) -> str:
-        """Feed one generated id (not an EOS); return the text delta it releases (often "")."""
-        if self.stop_reason is not None:
-            return ""
-        delta = self._to_text(self.sequences.push(token_id))
-        if self.sequences.matched is not None and self.stop_reason is None:
-            self.stop_reason, self.condition = StopReason.STOP_SEQUENCE, list(self.sequences.matched)
-            delta += self._to_text([], final=True)
-        return delta
-
-    def finish(self) -> str:
-        """End of the request: release held ids and text (a held stop-string prefix included)."""
-        delta = self._to_text(self.sequences.flush(), final=True) if self.stop_reason is None else ""
-        return delta + (self.strings.flush() if self.strings.matched is None else "")
 
 
 class Request:
@@ -178,6 +50,8 @@ class Request:
         timeout_s: wall-clock deadline in seconds from the request start (> 0).
         cancel: a ``threading.Event`` or a callable returning True; checked between steps.
             A ``KeyboardInterrupt`` (Ctrl-C) during the model's work cancels the same way.
+        constraint: what the output must match (``constraint.py``): a dict (a JSON schema) or a
+            ``Constraint`` (``json_schema``, ``json_object``, ``regex``, ``lark``); None: free text.
 
     Raises (on construction):
         InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
@@ -200,6 +74,7 @@ class Request:
             "include_stop_string",
             "timeout_s",
             "cancel",
+            "constraint",
         }
     )
 
@@ -221,6 +96,7 @@ class Request:
         include_stop_string: bool = False,
         timeout_s: float | None = None,
         cancel=None,
+        constraint=None,
     ):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise InvalidRequestError(
@@ -237,6 +113,13 @@ class Request:
         )
         is_cancelled = cancel_check(cancel)
         self.params = params or sampling.GREEDY
+        if self.params.logit_bias and self.params.logit_bias[-1][0] >= model.config.vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias names token id {self.params.logit_bias[-1][0]}, outside the vocabulary "
+                f"[0, {model.config.vocab_size}); use ids the model's tokenizer gives"
+            )
+        self.logprobs: list[dict] | None = None if self.params.top_logprobs is None else []
+        self.constraint = None if constraint is None else constraint_module.ConstraintState(model, constraint)
         self.rng = rng if rng is not None else np.random.default_rng(self.params.seed)
         self.t0 = time.perf_counter()
         self.metrics = RequestMetrics()
@@ -306,27 +189,29 @@ class Request:
 
     def take(self, logits: np.ndarray, step_t0: float):
         """Sample the next token from ``logits`` ``[vocab]`` and pass it through the stop chain;
-        yield the text it releases (often nothing). ``step_t0``: when this step's forward began."""
-        if self.listener is None:
-            token, probs = sampling.sample(logits, self.params, self.rng, seen_ids=self.seen), None
-        else:  # the trace shows the distribution the token was drawn from
-            token, probs = sampling.sample_with_probs(logits, self.params, self.rng, seen_ids=self.seen)
+        yield the text it releases (often nothing). ``step_t0``: when this step's forward began.
+        With a constraint, the grammar's mask applies, and a run of tokens the grammar forces
+        follows the sampled one (fed together at the next step, see :meth:`pending`)."""
+        allowed = self.constraint.allowed() if self.constraint is not None else None
+        args = (logits, self.params, self.rng, self.seen, self.new_ids, allowed)
+        if self.listener is None and self.logprobs is None:
+            token, probs = sampling.sample(*args), None
+        else:  # the trace (and logprobs) show the distribution the token was drawn from
+            token, probs = sampling.sample_with_probs(*args)
         now = time.perf_counter()
         if not self.new_ids:
             self.metrics.ttft_s = now - self.t0
         else:
             self.metrics.decode_step_s.append(now - step_t0)
         fed = self.seen[-1]  # the token this step fed in (the last prompt token for prefill)
-        self.new_ids.append(token)
-        self.seen.append(token)
-        # room left once this token is part of the sequence (it would be fed at cache.length)
-        reason = self.criteria.check(token, len(self.new_ids), self.cache.free_positions - 1)
-        delta = ""
-        if reason is not StopReason.EOS:  # an EOS id ends the text; it is never shown
-            delta = self.output.add(token)
-            reason = self.output.stop_reason or reason
-        self.stop_reason = reason
-        if len(self.new_ids) == 1:
+        delta = self._append(token, probs)
+        forced = self.constraint.advance(token) if self.constraint is not None and self.stop_reason is None else []
+        if allowed is not None:
+            self._emit("mask", now, self.constraint.mask_s, allowed=allowed, token=token, forced=forced)
+        for f in forced:  # the grammar's only way on: no sampling, probability 1
+            if self.stop_reason is None:
+                delta += self._append(f, None)
+        if len(self.new_ids) - len(forced) == 1:
             n = len(self.prompt_ids) - self.reused  # the ids prefill fed
             self._emit(
                 "prefill",
@@ -343,16 +228,41 @@ class Request:
                 "decode",
                 step_t0,
                 now - step_t0,
-                step=len(self.new_ids) - 1,
+                step=len(self.new_ids) - 1 - len(forced),
                 position=self.cache.length - 1,
                 input_token=fed,
                 token=token,
                 probs=probs,
                 cache_length=self.cache.length,
-                last=reason is not None,
+                last=self.stop_reason is not None,
                 text=delta,
             )
         yield from self._show(delta)
+
+    def _append(self, token: int, probs: np.ndarray | None) -> str:
+        """One new id through the logprobs, the stop criteria and the stop chain; the text it releases."""
+        if self.logprobs is not None:
+            top = self.params.top_logprobs
+            self.logprobs.append(
+                sampling.token_logprobs(probs, token, top)
+                if probs is not None
+                else constraint_module.forced_logprobs(token)
+            )
+        self.new_ids.append(token)
+        self.seen.append(token)
+        # room left once this token is part of the sequence (it would be fed at cache.length)
+        room = self.cache.free_positions - (len(self.seen) - self.cache.length)
+        reason = self.criteria.check(token, len(self.new_ids), room)
+        delta = ""
+        if reason is not StopReason.EOS:  # an EOS id ends the text; it is never shown
+            delta = self.output.add(token)
+            reason = self.output.stop_reason or reason
+        self.stop_reason = reason
+        return delta
+
+    def pending(self) -> list[int]:
+        """The ids not yet in the cache: the last sampled one, then any forced run (fed as one chunk)."""
+        return self.seen[self.cache.length :]
 
     def _show(self, delta: str):
         if delta:
@@ -426,7 +336,14 @@ class Request:
         model.requests_served += 1
         model.history.append(self.metrics.rates())
         return GenerationResult(
-            self.output.text, self.new_ids, self.prompt_ids.tolist(), reason, self.metrics, self.condition
+            self.output.text,
+            self.new_ids,
+            self.prompt_ids.tolist(),
+            reason,
+            self.metrics,
+            self.condition,
+            self.logprobs,
+            constraint_module.incomplete(self.constraint, reason, self.max_new_tokens),
         )
 
 

@@ -2,14 +2,19 @@
 
 The model's last position gives one score (logit) per vocabulary entry, ``float32 [vocab]``.
 Sampling turns those scores into a choice in small steps, each a pure function you can call
-on its own in a notebook. ``process_logits`` applies them in transformers' order
-(``generation/utils.py: _get_logits_processor``; the maths is ``generation/logits_process.py``):
+on its own in a notebook. ``process_logits`` applies them in this order: OpenAI's processors on the
+raw logits first (``penalties.py``; OpenAI's API reference adds ``logit_bias`` to the model's logits
+and subtracts its penalties from them), then a grammar's mask, then transformers' warpers in
+transformers' order (``generation/utils.py: _get_logits_processor``; ``generation/logits_process.py``):
 
-    1. repetition penalty   make ids already seen less likely        RepetitionPenaltyLogitsProcessor
-    2. temperature          divide: < 1 sharpens, > 1 flattens       TemperatureLogitsWarper
-    3. top-k                keep the k highest                       TopKLogitsWarper
-    4. top-p (nucleus)      keep the fewest reaching probability p   TopPLogitsWarper
-    5. min-p                drop those < min_p * the best's prob     MinPLogitsWarper
+    0. logit bias           add a bias in [-100, 100] per id                OpenAI logit_bias
+    1. repetition penalty   make ids already seen (prompt too) less likely  RepetitionPenaltyLogitsProcessor
+    2. frequency, presence  subtract c*f + (c>0)*p, c = times generated      OpenAI's penalties
+    3. constraint mask      ids the grammar forbids -> -inf                  (constraint.py)
+    4. temperature          divide: < 1 sharpens, > 1 flattens              TemperatureLogitsWarper
+    5. top-k                keep the k highest                              TopKLogitsWarper
+    6. top-p (nucleus)      keep the fewest reaching probability p          TopPLogitsWarper
+    7. min-p                drop those < min_p * the best's prob            MinPLogitsWarper
 
 Removed entries become ``-inf``, so softmax gives them probability exactly 0. Then ``sample``
 draws one id from softmax of what is left -- or, at temperature 0, takes the argmax (greedy).
@@ -34,6 +39,14 @@ import numpy as np
 
 from minillm.errors import InvalidRequestError, SamplingParamsError
 from minillm.model.primitives import softmax  # the one softmax (also re-exported for lessons and tests)
+from minillm.runtime.candidates import token_logprobs, top_candidates  # noqa: F401 (re-exported)
+from minillm.runtime.penalties import (
+    apply_frequency_presence,
+    apply_logit_bias,
+    apply_mask,
+    check_logit_bias,
+    check_penalty,
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,11 @@ class SamplingParams:
     min_p               in [0, 1]; 0 disables
     repetition_penalty  > 0; 1 disables, > 1 discourages repeats (CTRL paper, as transformers)
     seed                int >= 0 or None; used only when ``sample`` gets no rng
+    frequency_penalty   in [-2, 2]; 0 disables; subtracted once per time an id was generated (OpenAI)
+    presence_penalty    in [-2, 2]; 0 disables; subtracted once from every id generated at all (OpenAI)
+    logit_bias          {id: bias in [-100, 100]} added to the raw logits (OpenAI); kept as sorted pairs
+    top_logprobs        None: no logprobs; 0..20: record each new token's log-probability and the
+                        that-many most likely alternatives (``GenerationResult.logprobs``)
 
     Raises SamplingParamsError naming the value and its allowed range.
     """
@@ -56,6 +74,10 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int | None = None
 
     def __post_init__(self):
         def number(name: str) -> float:
@@ -87,14 +109,25 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0
         ):
             raise SamplingParamsError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
+        check_penalty("frequency_penalty", self.frequency_penalty)
+        check_penalty("presence_penalty", self.presence_penalty)
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))  # frozen: normalise once
+        n = self.top_logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= 20):
+            raise SamplingParamsError(f"top_logprobs must be None or a whole number in [0, 20] (OpenAI's), got {n!r}")
 
     @classmethod
     def from_fields(cls, source: object) -> SamplingParams:
         """The params named by ``source``'s attributes of the same names (a CLI's parsed arguments, an
         HTTP request's body): ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
-        ``seed``. Raises SamplingParamsError as the constructor does."""
+        ``seed``, and if present ``frequency_penalty``, ``presence_penalty``, ``logit_bias`` (None: none).
+        Raises SamplingParamsError as the constructor does."""
         names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
-        return cls(**{name: getattr(source, name) for name in names})
+        fields = {name: getattr(source, name) for name in names}
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
+            if getattr(source, name, None) is not None:
+                fields[name] = getattr(source, name)
+        return cls(**fields)
 
     @property
     def greedy(self) -> bool:
@@ -266,13 +299,26 @@ def apply_min_p(logits, min_p: float) -> np.ndarray:
     return out
 
 
-def process_logits(logits, params: SamplingParams, seen_ids: Iterable[int] = ()) -> np.ndarray:
-    """All processors in transformers' order -> ``float32 [vocab]`` with removed ids at -inf.
+def penalize(logits, params: SamplingParams, seen_ids=(), generated_ids=(), allowed=None) -> np.ndarray:
+    """Steps 0-3 of the module's list: logit bias, repetition penalty (``seen_ids``: prompt + new),
+    frequency and presence penalties (``generated_ids``: new ids only), the mask. ``float32 [vocab]``."""
+    out = apply_logit_bias(_as_logits(logits), params.logit_bias)
+    out = apply_repetition_penalty(out, seen_ids, params.repetition_penalty)
+    out = apply_frequency_presence(out, generated_ids, params.frequency_penalty, params.presence_penalty)
+    return apply_mask(out, allowed)
 
-    At temperature 0 the temperature step is skipped. (Greedy itself takes the argmax of the
-    penalised logits, as transformers does without ``do_sample``: the filters apply to sampling.)
+
+def process_logits(
+    logits, params: SamplingParams, seen_ids: Iterable[int] = (), generated_ids: Iterable[int] = (), allowed=None
+) -> np.ndarray:
+    """All processors in the module's order -> ``float32 [vocab]`` with removed ids at -inf.
+
+    ``seen_ids``: prompt + new ids (repetition penalty); ``generated_ids``: new ids (frequency and
+    presence penalties); ``allowed``: a grammar's ``bool [vocab]`` mask or None. At temperature 0
+    the temperature step is skipped. (Greedy itself takes the argmax of the penalised logits, as
+    transformers does without ``do_sample``: the filters apply to sampling.)
     """
-    return _warp(apply_repetition_penalty(logits, seen_ids, params.repetition_penalty), params)
+    return _warp(penalize(logits, params, seen_ids, generated_ids, allowed), params)
 
 
 def _warp(out: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -284,10 +330,17 @@ def _warp(out: np.ndarray, params: SamplingParams) -> np.ndarray:
     return apply_min_p(out, params.min_p)
 
 
-def sample(logits, params: SamplingParams, rng: np.random.Generator | None = None, seen_ids: Iterable[int] = ()) -> int:
+def sample(
+    logits,
+    params: SamplingParams,
+    rng: np.random.Generator | None = None,
+    seen_ids: Iterable[int] = (),
+    generated_ids: Iterable[int] = (),
+    allowed: np.ndarray | None = None,
+) -> int:
     """Choose the next token id from ``float32 [vocab]`` logits.
 
-    Temperature 0: argmax after the repetition penalty (no division by zero, no randomness).
+    Temperature 0: argmax after the bias, penalties and mask (no division by zero, no randomness).
     Otherwise: one draw from ``softmax(process_logits(...))`` using only ``rng``.
 
     Make one generator per request and pass it to every call, as ``generate`` does::
@@ -302,25 +355,31 @@ def sample(logits, params: SamplingParams, rng: np.random.Generator | None = Non
     the same params would also share.
 
     Raises:
-        InvalidRequestError: NaN logits, all logits ``-inf``, or a seen id outside the vocabulary.
+        InvalidRequestError: NaN logits, all logits ``-inf`` (after the mask too), a seen id or a
+            logit_bias id outside the vocabulary.
     """
     if params.greedy:
-        return int(np.argmax(apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)))
-    return sample_with_probs(logits, params, rng, seen_ids)[0]
+        return int(np.argmax(penalize(logits, params, seen_ids, generated_ids, allowed)))
+    return sample_with_probs(logits, params, rng, seen_ids, generated_ids, allowed)[0]
 
 
 def sample_with_probs(
-    logits, params: SamplingParams, rng: np.random.Generator | None = None, seen_ids: Iterable[int] = ()
+    logits,
+    params: SamplingParams,
+    rng: np.random.Generator | None = None,
+    seen_ids: Iterable[int] = (),
+    generated_ids: Iterable[int] = (),
+    allowed: np.ndarray | None = None,
 ) -> tuple[int, np.ndarray]:
     """:func:`sample`, also returning the distribution it chose from: ``float32 [vocab]``.
 
     The same token as :func:`sample` for the same arguments. At temperature 0 the distribution is
-    the penalised logits' softmax at temperature 1, unfiltered: greedy takes its argmax, and like
-    transformers without ``do_sample`` it applies no top-k / top-p / min-p. The trace shows these
-    probabilities; computing them costs a softmax over the vocabulary, so :func:`sample` skips it
-    at temperature 0.
+    the penalised (and masked) logits' softmax at temperature 1, unfiltered: greedy takes its argmax,
+    and like transformers without ``do_sample`` it applies no top-k / top-p / min-p. The trace shows
+    these probabilities; computing them costs a softmax over the vocabulary, so :func:`sample`
+    skips it at temperature 0.
     """
-    penalized = apply_repetition_penalty(logits, seen_ids, params.repetition_penalty)
+    penalized = penalize(logits, params, seen_ids, generated_ids, allowed)
     if params.greedy:
         return int(np.argmax(penalized)), probabilities(penalized)
     probs = probabilities(_warp(penalized, params))
@@ -342,24 +401,10 @@ def sample_with_probs(
     return int(min(np.searchsorted(cdf, u, side="right"), np.flatnonzero(p64)[-1])), probs
 
 
-def top_candidates(probs: np.ndarray, k: int = 5) -> list[tuple[int, float]]:
-    """The ``k`` most likely ids of a distribution ``[vocab]`` with probability > 0, most likely first
-    (ties: the lower id first).
-
-    Called for every row of every step when a trace listens: a full sort of 49,152 probabilities
-    per row is a visible share of a batched step (README's batching section), so one partition
-    finds the ``k``-th largest first and only the ids at or above it
-    (ties at the threshold included, so the order among them is still the lower id first) are sorted.
-    """
-    kept = np.flatnonzero(probs > 0)
-    if len(kept) > k:
-        threshold = np.partition(probs[kept], len(kept) - k)[len(kept) - k]  # the k-th largest probability
-        kept = kept[probs[kept] >= threshold]  # ascending ids: the stable sort below breaks ties by id
-    top = kept[np.argsort(-probs[kept], kind="stable")[:k]]
-    return [(int(i), float(probs[i])) for i in top]
-
-
-def candidates(logits, params: SamplingParams, seen_ids: Iterable[int] = (), k: int = 5) -> list[tuple[int, float]]:
+def candidates(
+    logits, params: SamplingParams, seen_ids: Iterable[int] = (), k: int = 5, generated_ids: Iterable[int] = ()
+) -> list[tuple[int, float]]:
     """The ``k`` most likely ids of the distribution :func:`sample` chooses from, with their
     probabilities (for traces; see :func:`sample_with_probs`)."""
-    return top_candidates(sample_with_probs(logits, params, np.random.default_rng(0), seen_ids)[1], k)
+    probs = sample_with_probs(logits, params, np.random.default_rng(0), seen_ids, generated_ids)[1]
+    return top_candidates(probs, k)

@@ -99,12 +99,18 @@ def decode_step(model: Model, token_id: int, cache: KVCache) -> np.ndarray:
 
 
 def sample(
-    logits: np.ndarray, params: SamplingParams | None = None, rng: np.random.Generator | None = None, seen_ids=()
+    logits: np.ndarray,
+    params: SamplingParams | None = None,
+    rng: np.random.Generator | None = None,
+    seen_ids=(),
+    generated_ids=(),
+    allowed: np.ndarray | None = None,
 ) -> int:
     """Choose the next token id from logits ``[vocab]`` (see ``sampling.py``). No ``params``:
     greedy, the argmax (``sampling.GREEDY``), as everywhere in minillm. Pass one ``rng`` for a
-    whole request."""
-    return sampling.sample(logits, params or sampling.GREEDY, rng, seen_ids=seen_ids)
+    whole request; ``seen_ids`` (prompt + new) for the repetition penalty, ``generated_ids`` (new
+    only) for the frequency and presence penalties, ``allowed`` (``bool [vocab]``) for a mask."""
+    return sampling.sample(logits, params or sampling.GREEDY, rng, seen_ids, generated_ids, allowed)
 
 
 def detokenize(model: Model, ids, *, skip_special_tokens: bool = True) -> str:

@@ -239,3 +239,55 @@ class StopSequenceMatcher:
         """End of stream: release the held ids."""
         held, self._held = self._held, []
         return held
+
+
+class OutputStream:
+    """Generated ids in, text a user may see out, for one request.
+
+        id -> StopSequenceMatcher (hold) -> IncrementalDetokenizer -> StopStringMatcher (hold) -> delta
+
+    Args:
+        detokenizer: an :class:`~minillm.text.detokenize.IncrementalDetokenizer` (``add(id) -> str``,
+            ``flush() -> str``); may be set after construction, before the first :meth:`add`.
+        stop: stop strings; ``stop_token_ids``: id sequences.
+        include_stop_string: show the matched stop string (or the stop sequence's text).
+
+    After :meth:`add` or :meth:`finish`, ``stop_reason`` is ``STOP_STRING`` / ``STOP_SEQUENCE``
+    once one fired, and ``condition`` names it (the string, or the id list).
+    """
+
+    def __init__(self, detokenizer, *, stop: Iterable[str] = (), stop_token_ids=(), include_stop_string: bool = False):
+        self.detokenizer = detokenizer
+        self.strings = StopStringMatcher(stop, include_stop_string=include_stop_string)
+        self.sequences = StopSequenceMatcher(stop_token_ids or [], include=include_stop_string)
+        self.stop_reason: StopReason | None = None
+        self.condition: str | list[int] | None = None
+
+    @property
+    def text(self) -> str:
+        """Everything released so far."""
+        return self.strings.text
+
+    def _to_text(self, ids: list[int], final: bool = False) -> str:
+        pieces = "".join(self.detokenizer.add(i) for i in ids)
+        if final:
+            pieces += self.detokenizer.flush()
+        delta = self.strings.push(pieces)
+        if self.strings.matched is not None and self.stop_reason is None:
+            self.stop_reason, self.condition = StopReason.STOP_STRING, self.strings.matched
+        return delta
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated id (not an EOS); return the text delta it releases (often "")."""
+        if self.stop_reason is not None:
+            return ""
+        delta = self._to_text(self.sequences.push(token_id))
+        if self.sequences.matched is not None and self.stop_reason is None:
+            self.stop_reason, self.condition = StopReason.STOP_SEQUENCE, list(self.sequences.matched)
+            delta += self._to_text([], final=True)
+        return delta
+
+    def finish(self) -> str:
+        """End of the request: release held ids and text (a held stop-string prefix included)."""
+        delta = self._to_text(self.sequences.flush(), final=True) if self.stop_reason is None else ""
+        return delta + (self.strings.flush() if self.strings.matched is None else "")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -34,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import minillm
+from minillm.runtime.constraint import Constraint, grammar_for
 
 from . import protocol as p
 from .events import EventStreamResponse, TooManySubscribers
@@ -293,7 +295,7 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
             param="max_tokens",
         )
     try:
-        params = minillm.SamplingParams.from_fields(body)
+        params = replace(minillm.SamplingParams.from_fields(body), top_logprobs=top_logprobs)
     except minillm.MiniLLMError as exc:
         raise _runtime_error(exc) from None
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
@@ -304,13 +306,39 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         params,
         max_tokens,
         stop or None,
-        top_logprobs,
+        params.top_logprobs,
         asyncio.get_running_loop(),
         Channel(guard, request_id),
         slow_motion_s=body.slow_motion_s,
         fault=body.minillm_test_fault.model_dump() if body.minillm_test_fault is not None else None,
         model=body.model,
+        constraint=_constraint(worker, getattr(body, "response_format", None)),
     )
+
+
+def _constraint(worker, response_format):
+    """OpenAI's ``response_format`` -> a checked ``Constraint`` (None for text).
+
+    Raises:
+        APIError: 400 json_schema without its schema, or a schema that is invalid (naming where).
+    """
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        constraint = Constraint.json_object()
+    elif response_format.json_schema is None:
+        raise APIError(
+            400,
+            'response_format of type "json_schema" needs "json_schema": {"name": ..., "schema": {...}}',
+            param="response_format.json_schema",
+        )
+    else:
+        constraint = Constraint.json_schema(response_format.json_schema.schema_)
+    try:
+        grammar_for(worker.model, constraint)  # checked here, so the error names the field
+    except minillm.MiniLLMError as exc:
+        raise APIError(400, f"response_format.json_schema.schema: {exc}", param="response_format") from None
+    return constraint
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -338,6 +366,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     param = ".".join(loc) or None
     if err.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})")
+    if err.get("type") == "unsupported_field":
+        field = err["ctx"]["field"]
+        return APIError(400, err["msg"], param=field, code="unsupported_field")
     if param == "n":
         return APIError(
             400,
@@ -385,6 +416,7 @@ def _final_response(o: Outcome, request_id: str, served_model: str, chat: bool):
             logprobs=_chat_logprobs(o),
             finish_reason=finish,
             minillm_stop_reason=reason,
+            minillm_error=o.incomplete,
         )
         return p.ChatCompletion(id=request_id, model=served_model, choices=[choice], usage=_usage(o))
     choice = p.CompletionChoice(
@@ -417,6 +449,7 @@ async def _sse(job: Job, first, body, served_model: str, chat: bool, watcher: as
                 logprobs=_chat_logprobs(outcome) if outcome else None,
                 finish_reason=finish,
                 minillm_stop_reason=reason,
+                minillm_error=outcome.incomplete if outcome else None,
             )
             return p.ChatCompletionChunk(id=rid, model=served_model, choices=[choice], **usage_none)
         choice = p.CompletionChoice(

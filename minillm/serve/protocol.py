@@ -2,20 +2,52 @@
 
 Requests accept OpenAI's fields plus minillm's own sampling extras (``top_k``, ``min_p``,
 ``repetition_penalty``), sent as extra body fields the way vLLM accepts them
-(``client.chat.completions.create(..., extra_body={"top_k": 40})``). Unknown fields are ignored,
-as OpenAI does. Ranges are declared on the fields, so a bad value gets a 400 naming the field and
-its range, and /openapi.json documents them.
+(``client.chat.completions.create(..., extra_body={"top_k": 40})``). Every OpenAI field is either
+implemented with OpenAI's meaning or refused: an OpenAI field minillm does not implement (``n`` > 1,
+``echo``, ``best_of``, ``suffix``, audio, tools, ...) is a 400 naming it (``UNSUPPORTED``), never
+dropped in silence. Fields that are not OpenAI's (other servers' extras) are ignored. Ranges are
+declared on the fields, so a bad value gets a 400 naming the field and its range, and
+/openapi.json documents them.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
-# The trace keeps the top 5 candidates of every step; logprobs cannot list more.
-MAX_TOP_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs
+MAX_LEGACY_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
+
+_TOOLS = "tool calling is not implemented by minillm's server"
+#: OpenAI fields minillm does not implement: field -> (values that mean "off", why). Any other value
+#: is a 400 naming the field.
+UNSUPPORTED_CHAT: dict[str, tuple[tuple, str]] = {
+    "audio": ((None,), "audio output is not implemented (the models make text)"),
+    "modalities": ((None, ["text"]), "only text output is implemented"),
+    "tools": ((None, []), _TOOLS),
+    "tool_choice": ((None, "none"), _TOOLS),
+    "functions": ((None, []), _TOOLS),
+    "function_call": ((None, "none"), _TOOLS),
+    "parallel_tool_calls": ((None,), _TOOLS),
+    "prediction": ((None,), "predicted outputs are not implemented"),
+    "web_search_options": ((None,), "web search is not implemented"),
+    "reasoning_effort": ((None,), "reasoning effort applies to reasoning models; minillm's have none"),
+    "verbosity": ((None,), "verbosity (answer length) control is not implemented"),
+    "store": ((None, False), "minillm stores no completions"),
+    "metadata": ((None, {}), "metadata is kept with stored completions, which minillm does not implement"),
+    "service_tier": ((None, "auto", "default"), "minillm has one service tier"),
+    "moderation": ((None,), "moderation is not implemented"),
+    "prompt_cache_retention": ((None, "in_memory"), "the prefix cache lives in memory only"),
+    "prompt_cache_options": ((None,), "prompt cache options are not implemented"),
+}
+UNSUPPORTED_COMPLETIONS: dict[str, tuple[tuple, str]] = {
+    "echo": ((None, False), "echoing the prompt is not implemented"),
+    "suffix": ((None, ""), "insertion (a suffix after the completion) is not implemented"),
+    "best_of": ((None, 1), "minillm runs one sequence per request"),
+}
 
 
 class StreamOptions(BaseModel):
@@ -41,7 +73,15 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only 1: minillm runs one sequence per request")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="minus count x this per generated id")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="minus this once per generated id")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit; -100 bans, 100 forces"
+    )
+    # identifiers that, as OpenAI documents, do not change the output
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # minillm's prefix cache needs no key: a shared prefix is found
     # minillm's extras (vLLM-style extra body fields)
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0 = off)")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -55,6 +95,22 @@ class SamplingFields(BaseModel):
     )
     minillm_test_fault: TestFault | None = Field(None, description="test hook; refused unless --test-faults")
 
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_unsupported(cls, data: Any) -> Any:
+        """A 400 naming the first OpenAI field minillm does not implement (with a value that is not "off")."""
+        if isinstance(data, dict):
+            for name, (off, why) in cls.UNSUPPORTED.items():
+                if name in data and data[name] not in off:
+                    raise PydanticCustomError(
+                        "unsupported_field",
+                        "{field} is not supported: {why}; leave it out" + (" or send {off}" if off[1:] else ""),
+                        {"field": name, "why": why, "off": " or ".join(repr(v) for v in off[1:])},
+                    )
+        return data
+
 
 class ChatMessage(BaseModel):
     role: str  # the chat template decides which roles it accepts (its message comes back as a 400)
@@ -62,17 +118,35 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the schema under ``schema`` (``strict`` is always
+    honoured: the output is masked to the schema)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict = Field(alias="schema", description="the JSON schema the answer must follow")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class ChatCompletionRequest(SamplingFields):
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = UNSUPPORTED_CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = UNSUPPORTED_COMPLETIONS
     prompt: str = Field(min_length=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="legacy: alternatives per token")
-    echo: Literal[False] = False  # echoing the prompt is not supported
+    logprobs: int | None = Field(None, ge=0, le=MAX_LEGACY_LOGPROBS, description="legacy: alternatives per token")
 
 
 class PromptTokensDetails(BaseModel):
@@ -121,6 +195,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
     minillm_stop_reason: str | None = None  # minillm's own StopReason, e.g. "timed out"
+    minillm_error: str | None = None  # e.g. why a constrained answer is not a whole document
 
 
 class ChatCompletion(BaseModel):
@@ -143,6 +218,7 @@ class ChatCompletionChunkChoice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     minillm_stop_reason: str | None = None
+    minillm_error: str | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -37,9 +37,7 @@ from .live import LiveFeed
 from .metrics import ServerMetrics
 from .reliability import Guard, GuardedRequest
 
-# How the trace shows whitespace in a piece ('␣capital'); undone to give a token's text back.
-_INVISIBLE = str.maketrans({"␣": " ", "↵": "\n", "⇥": "\t", "␍": "\r"})
-# OpenAI's stand-in for "too unlikely to list" (the trace keeps only the top 5 candidates).
+# OpenAI's floor for a logprob (an id at probability 0, e.g. masked, would be -inf: not JSON).
 UNKNOWN_LOGPROB = -9999.0
 
 
@@ -57,7 +55,7 @@ class Job:
     params: minillm.SamplingParams
     max_tokens: int | None  # None: up to the context
     stop: list[str] | None
-    top_logprobs: int | None  # None: no logprobs; 0..5: that many alternatives per token
+    top_logprobs: int | None  # None: no logprobs; 0..20: that many alternatives per token
     loop: asyncio.AbstractEventLoop
     channel: asyncio.Queue
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -66,6 +64,7 @@ class Job:
     fault: dict | None = None  # --test-faults only: {"stage": ..., "at_token": N} (reliability.py)
     model: str = ""  # the served name the request named (a multi-model server routes by it)
     load_s: float = 0.0  # seconds of the model load this request waited for (models.py), else 0
+    constraint: object = None  # a minillm Constraint (response_format), or None: free text
 
     def send(self, kind: str, value) -> None:
         """Hand an item to the event loop thread-safely (never blocks the worker)."""
@@ -85,6 +84,7 @@ class Outcome:
     logprobs: list[dict] | None  # one entry per output token: token, logprob, top alternatives
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the pool's prefix cache
     load_s: float = 0.0  # seconds of the model load the request waited for (ollama's load_duration)
+    incomplete: str | None = None  # a constrained answer cut short: why it is not a whole document
 
 
 class QueueFullError(Exception):
@@ -304,6 +304,7 @@ class Worker:
                 timeout_s=timeout,
                 cancel=job.cancel,
                 fault=job.fault,
+                constraint=job.constraint,
             )
             request.step_delay_s = job.slow_motion_s
             self.scheduler.add(request)  # refuses a request the pool could never hold (400)
@@ -350,7 +351,7 @@ class Worker:
         self.metrics.prompt_tokens.inc(len(result.prompt_ids))
         self.metrics.generation_tokens.inc(len(result.ids))
         self.metrics.finished.labels(reason=result.stop_reason.value).inc()
-        logprobs = self._logprobs(result, tracer.events, job.top_logprobs) if job.top_logprobs is not None else None
+        logprobs = self._logprobs(result) if job.top_logprobs is not None else None
         self._remember(job, result.stop_reason, wait, tracer.events)
         job.send(
             "done",
@@ -364,6 +365,7 @@ class Worker:
                 logprobs,
                 m.cached_prompt_tokens,
                 job.load_s,
+                result.incomplete,
             ),
         )
 
@@ -388,51 +390,27 @@ class Worker:
         with self._lock:
             return self.traces.get(request_id)
 
-    # --- logprobs from the trace ---------------------------------------------------------------
-    def _logprobs(self, result, events: list, top: int) -> list[dict]:
-        """One entry per output token, read from the trace's prefill and decode events.
+    # --- logprobs ------------------------------------------------------------------------------
+    def _logprobs(self, result) -> list[dict]:
+        """One entry per output token (a stopping EOS left out) in OpenAI's shape, from the result's
+        ``logprobs`` (``SamplingParams.top_logprobs``): log-probabilities in the distribution
+        ``sample`` drew from (after the bias, penalties, mask, temperature, top-k, top-p, min-p; at
+        temperature 0, the distribution at temperature 1)."""
+        steps = result.logprobs
+        if result.stop_reason is minillm.StopReason.EOS:
+            steps = steps[:-1]
+        return [
+            {**self._token(step["id"], step["logprob"]), "top_logprobs": [self._token(i, q) for i, q in step["top"]]}
+            for step in steps
+        ]
 
-        The trace records, for every step, the chosen token's probability and the top 5
-        candidates, in the distribution ``sample`` draws from (after temperature, top-k, top-p,
-        min-p and the repetition penalty; at temperature 0, the distribution at temperature 1).
-        The first token's probability comes from the prefill candidates; if it is not among
-        them (a sampled rarity), its logprob is UNKNOWN_LOGPROB.
-        """
-        tok = self.model.tokenizer
-        prefill = next((e for e in events if e.phase == "prefill"), None)
-        decodes = [e for e in events if e.phase == "decode"]
-        ids = [i for i in result.ids if not (result.stop_reason is minillm.StopReason.EOS and i == result.ids[-1])]
-        entries = []
-        for n, token_id in enumerate(ids):
-            if n == 0:
-                cands = prefill.data["candidates"] if prefill else []
-                prob = dict(cands).get(tok.piece_for_display(token_id))
-            else:
-                data = decodes[n - 1].data
-                cands, prob = data["candidates"], data["prob"]
-            text = minillm.detokenize(self.model, [token_id], skip_special_tokens=False)
-            entries.append(
-                {
-                    "token": text,
-                    "logprob": _log(prob),
-                    "bytes": list(text.encode("utf-8")),
-                    "top_logprobs": [_candidate(piece, q) for piece, q in cands[:top]],
-                }
-            )
-        return entries
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = minillm.detokenize(self.model, [token_id], skip_special_tokens=False)
+        return {"token": text, "logprob": max(logprob, UNKNOWN_LOGPROB), "bytes": list(text.encode("utf-8"))}
 
     def next_id(self, prefix: str) -> str:
         """A request id unique in this process, e.g. ``chatcmpl-1a2b3c4d-0007``."""
         return f"{prefix}-{self.metrics.instance}-{next(self._ids):04d}"
-
-
-def _log(prob: float | None) -> float:
-    return math.log(prob) if prob else UNKNOWN_LOGPROB
-
-
-def _candidate(piece: str, prob: float) -> dict:
-    text = piece.translate(_INVISIBLE)
-    return {"token": text, "logprob": _log(prob), "bytes": list(text.encode("utf-8"))}
 
 
 def _event_dict(event) -> dict:
