@@ -142,10 +142,12 @@ class Transformer:
             x = x[-1:]  # [1, d_model]
         return self.head(x)
 
-    def forward_batch(self, chunks: Sequence[tuple[np.ndarray, KVCache]], *, all_logits: bool = False) -> np.ndarray:
+    def forward_batch(
+        self, chunks: Sequence[tuple[np.ndarray, KVCache]], *, all_logits: bool = False, last_rows=None
+    ) -> np.ndarray:
         """Several sequences in one pass, rows stacked for every projection, attention per sequence
         (``batch.forward_batch``, where the shapes and errors are): logits ``[n_sequences, vocab]``."""
-        return batch.forward_batch(self, chunks, all_logits=all_logits)
+        return batch.forward_batch(self, chunks, all_logits=all_logits, last_rows=last_rows)
 
     # --- the pieces of a forward pass ---------------------------------------------------------------
     def embed(self, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ from minillm.runtime.loading import Model
 from minillm.runtime.request import GenerationResult, Request
 from minillm.runtime.sampling import SamplingParams
 from minillm.runtime.scheduler import BatchRequest, Scheduler
-from minillm.runtime.steps import Prompt, decode_step, prefill
+from minillm.runtime.steps import Prompt, decode_step, prefill, verify_step
 
 
 def stream(
@@ -42,7 +42,10 @@ def stream(
         **options: the request's options, checked by :class:`~minillm.runtime.request.Request`:
             ``max_new_tokens`` (64), ``chat``, ``rng``, ``max_seq_len``, ``cache``, ``kv_dtype``
             (``"float32"`` | ``"float16"`` | ``"int8"``: how the request's KV cache holds entries), ``stop``,
-            ``stop_token_ids``, ``include_stop_string``, ``timeout_s``, ``cancel``.
+            ``stop_token_ids``, ``include_stop_string``, ``timeout_s``, ``cancel``, ``speculative``
+            (a :class:`~minillm.runtime.speculative.Speculative`, or a draft name: ``"ngram"``,
+            ``"self-int8"``, ``"self-gguf"``, ``"layers:K"``; the output has the model's own
+            distribution, and greedy gives the same ids as without it).
 
     Raises:
         InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
@@ -59,9 +62,16 @@ def stream(
                 t = time.perf_counter()
                 logits = prefill(model, request.prompt_ids, request.cache)  # the whole prompt, one forward pass
                 request.metrics.prefill_s = time.perf_counter() - t
+                request.metrics.target_passes += 1
                 yield from request.take(logits, t)  # the first new token: TTFT ends here
             while request.running():
                 t = time.perf_counter()
+                drafted, q = request.spec.propose() if request.spec is not None else ([], None)
+                request.metrics.target_passes += 1
+                if drafted:  # verify k drafts in one pass over [last, d1 .. dk]: k + 1 rows of logits
+                    logits = verify_step(model, request.new_ids[-1], drafted, request.cache)
+                    yield from request.spec.settle(logits, drafted, q, t)
+                    continue
                 logits = decode_step(model, request.new_ids[-1], request.cache)  # one position, cache reused
                 yield from request.take(logits, t)
         except KeyboardInterrupt:  # Ctrl-C during the model's work ends the request cleanly, as a cancel

@@ -16,6 +16,7 @@ from minillm.model.kv_cache import KV_DTYPES, KVCache
 from minillm.runtime import sampling, steps
 from minillm.runtime.loading import Model
 from minillm.runtime.sampling import SamplingParams
+from minillm.runtime.speculative import Speculative, SpeculativeDecoder
 from minillm.runtime.stopping import StopCriteria, StopReason, StopSequenceMatcher, StopStringMatcher, cancel_check
 from minillm.text.detokenize import IncrementalDetokenizer
 
@@ -42,6 +43,10 @@ class RequestMetrics:
     kv_bytes_reserved: int = 0
     cached_prompt_tokens: int = 0  # prompt positions reused from a paged pool's prefix cache (batching)
     preemptions: int = 0  # times the batch scheduler took this request's blocks back to recompute later
+    target_passes: int = 0  # forward passes of the model over this request (prefill chunks included)
+    drafted_tokens: int = 0  # speculative decoding: tokens a draft proposed, and how many were kept
+    accepted_tokens: int = 0
+    verify_steps: int = 0  # speculative passes that checked at least one drafted token
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -75,6 +80,8 @@ class RequestMetrics:
         d = {name: getattr(self, name) for name in self.__dataclass_fields__}
         d["decode_step_s"] = list(self.decode_step_s)
         d.update(
+            acceptance_rate=self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else float("nan"),
+            tokens_per_pass=self.new_tokens / self.target_passes if self.target_passes else float("nan"),
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             tpot_s=self.tpot_s,
             tpot_p50_s=self.tpot_percentile(50),
@@ -200,6 +207,7 @@ class Request:
             "include_stop_string",
             "timeout_s",
             "cancel",
+            "speculative",
         }
     )
 
@@ -221,7 +229,9 @@ class Request:
         include_stop_string: bool = False,
         timeout_s: float | None = None,
         cancel=None,
+        speculative=None,
     ):
+        spec = Speculative.of(speculative)  # checked before any model work
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise InvalidRequestError(
                 f"max_new_tokens must be >= 1, got {max_new_tokens!r} (a whole number of tokens)."
@@ -278,6 +288,7 @@ class Request:
         self.seen = list(self.prompt_ids)  # the repetition penalty's "seen" ids: prompt + new ids
         self.stop_reason: StopReason | None = None
         self.condition = None
+        self.spec = None if spec is None else SpeculativeDecoder(spec, model, self)
 
     def new_cache(self, max_seq_len: int) -> KVCache:
         """The request's own cache of ``max_seq_len`` positions: a contiguous :class:`KVCache` here;
@@ -307,11 +318,21 @@ class Request:
             self.metrics.ttft_s = now - self.t0
         else:
             self.metrics.decode_step_s.append(now - step_t0)
+        yield from self.push(token, probs, step_t0, now=now)
+
+    def push(self, token: int, probs, step_t0: float, *, cache_length=None, step_s=None, now=None):
+        """Pass a chosen ``token`` through the stop chain (``take`` samples one; speculative decoding
+        pushes an accepted run); yield the text it releases. ``cache_length``: the positions before it
+        (default the cache's length); ``step_s``: its share of the step's time."""
+        now = time.perf_counter() if now is None else now
+        if step_s is not None:
+            self.metrics.decode_step_s.append(step_s)
+        cache_length = self.cache.length if cache_length is None else cache_length
         fed = self.seen[-1]  # the token this step fed in (the last prompt token for prefill)
         self.new_ids.append(token)
         self.seen.append(token)
-        # room left once this token is part of the sequence (it would be fed at cache.length)
-        reason = self.criteria.check(token, len(self.new_ids), self.cache.free_positions - 1)
+        # room left once this token is part of the sequence (it would be fed at cache_length)
+        reason = self.criteria.check(token, len(self.new_ids), self.cache.max_seq_len - cache_length - 1)
         delta = ""
         if reason is not StopReason.EOS:  # an EOS id ends the text; it is never shown
             delta = self.output.add(token)
@@ -333,17 +354,31 @@ class Request:
             self._emit(
                 "decode",
                 step_t0,
-                now - step_t0,
+                now - step_t0 if step_s is None else step_s,
                 step=len(self.new_ids) - 1,
-                position=self.cache.length - 1,
+                position=cache_length - 1,
                 input_token=fed,
                 token=token,
                 probs=probs,
-                cache_length=self.cache.length,
+                cache_length=cache_length,
                 last=reason is not None,
                 text=delta,
             )
         yield from self._show(delta)
+
+    def emit_verify(self, step_t0: float, **facts) -> None:
+        """Tell the listener of one speculative verification (``speculative.py``), with the rates so far."""
+        m = self.metrics
+        passes = max(m.target_passes, 1)
+        self._emit(
+            "verify",
+            step_t0,
+            time.perf_counter() - step_t0,
+            **facts,
+            drafted_so_far=m.drafted_tokens,
+            accepted_so_far=m.accepted_tokens,
+            tokens_per_pass=len(self.new_ids) / passes,
+        )
 
     def _show(self, delta: str):
         if delta:
@@ -373,6 +408,8 @@ class Request:
             self.cache.used_bytes,
             self.cache.nbytes,
         )
+        if self.spec is not None:
+            self.spec.release()
         if self.own_cache:
             self.cache.free()
         else:

@@ -102,6 +102,19 @@ def decode_step(model: Model, token_id: int, cache: KVCache) -> np.ndarray:
     return model.transformer.forward(np.array([token_id], dtype=np.int64), cache)[0]  # [vocab]
 
 
+def verify_step(model: Model, token_id: int, drafted, cache: KVCache) -> np.ndarray:
+    """Feed ``token_id`` and the ``k`` drafted ids at ``cache.length..``, one forward pass (a short
+    prefill); the cache grows by ``k + 1`` (speculative decoding truncates the rejected ones).
+
+    Returns:
+        float32 logits ``[k + 1, vocab]``: row ``i`` scores the token after the first ``i`` drafts.
+
+    Raises:
+        KVCacheFullError: no room for ``k + 1`` more positions.
+    """
+    return model.transformer.forward(np.array([token_id, *drafted], dtype=np.int64), cache)  # [k + 1, vocab]
+
+
 def sample(
     logits: np.ndarray, params: SamplingParams | None = None, rng: np.random.Generator | None = None, seen_ids=()
 ) -> int:
