@@ -141,6 +141,8 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
         help="attach a text file (UTF-8; '-' reads stdin): its text, a blank line, then the prompt "
         "(in chat: the user message)",
     )
+    p.add_argument("--speculative", default=None, metavar="DRAFT", help="draft: ngram | self-int8 | layers:K")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafted per pass (default 4)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -341,6 +343,9 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
             timeout_s=args.timeout,
             max_seq_len=args.max_seq_len,
             kv_dtype=args.kv_dtype,
+            speculative=minillm.Speculative(args.speculative, args.num_speculative_tokens)
+            if args.speculative
+            else None,
             cancel=cancel,
             result=results,
         ):

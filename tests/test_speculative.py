@@ -10,6 +10,7 @@ against a cache that never saw the rejected tokens; block counts worked out by h
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -360,3 +361,31 @@ def test_smollm2_greedy_equals_plain(smollm2, draft):
         plain = minillm.generate(smollm2, prompt, max_new_tokens=16)
         spec = minillm.generate(smollm2, prompt, max_new_tokens=16, speculative=Speculative(draft, num_tokens=4))
         assert spec.ids == plain.ids, prompt
+
+
+# --- the server: a body field and a server default ------------------------------------------------------------
+def test_server_speculative_body_field_and_default(word_model):
+    from fastapi.testclient import TestClient
+
+    from minillm.serve.app import create_app
+    from minillm.serve.metrics import ServerMetrics
+    from minillm.serve.worker import Worker
+
+    plain = minillm.generate(word_model, PROMPTS[0], max_new_tokens=12)
+    worker = Worker(str(word_model.path), metrics=ServerMetrics(), warmup=False, verbosity="quiet",
+                    kv_cache_mib=1, block_size=4, speculative=Speculative("layers:2", num_tokens=3))  # fmt: skip
+    with TestClient(create_app(worker, "word")) as client:
+        for _ in range(600):
+            if client.get("/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        body = {"model": "word", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+        for extra in ({}, {"speculative": "ngram", "num_speculative_tokens": 5}):
+            out = client.post("/v1/completions", json={**body, **extra}).json()
+            assert out["choices"][0]["text"] == plain.text
+            usage = out["usage"]
+            assert usage["target_passes"] + usage["accepted_tokens"] == 12 and usage["drafted_tokens"] > 0
+        off = client.post("/v1/completions", json={**body, "speculative": "off"}).json()["usage"]
+        assert off["target_passes"] is None and off["completion_tokens"] == 12
+        bad = client.post("/v1/completions", json={**body, "speculative": "layers:9"})
+        assert bad.status_code == 400 and "K must be in 1..3" in bad.json()["error"]["message"]

@@ -27,7 +27,7 @@ from minillm.observe.metrics import cpu_snapshot, others_cpu_share
 from minillm.observe.render import Renderer
 
 VERBOSITY = ("quiet", "summary", "steps", "full")
-PHASES = ("load", "warmup", "prepare", "tokenize", "prefill", "decode", "stop", "summary", "batch_step")
+PHASES = ("load", "warmup", "prepare", "tokenize", "prefill", "decode", "verify", "stop", "summary", "batch_step")
 
 
 @dataclass

@@ -213,6 +213,22 @@ class Renderer:
             overflow="ellipsis",
         )
 
+    def _verify(self, e: TraceEvent) -> None:
+        """One line per verification: drafted pieces (kept ones bold), the token after them, the rates."""
+        d = e.data
+        if self.tracer.verbosity == "summary":
+            return
+        pieces = [f"[bold]{escape(p)}[/]" if j < d["accepted"] else f"[strike dim]{escape(p)}[/]"
+                  for j, p in enumerate(d["drafted"])]  # fmt: skip
+        how = "bonus" if d["bonus"] else "resampled"
+        self.console.print(
+            f"  verify  {' '.join(pieces)}  {d['accepted']}/{len(d['drafted'])} kept, {how} {escape(d['token'])}  "
+            f"[dim]α {d['acceptance_rate']:.2f}, {d['tokens_per_pass']:.2f} tokens per pass[/]",
+            highlight=False,
+            no_wrap=True,
+            overflow="ellipsis",
+        )
+
     def _batch_step(self, e: TraceEvent) -> None:
         """One line per scheduler step; the block tables and the pool when requests joined or left."""
         c, d = self.console, e.data
@@ -271,6 +287,7 @@ class Renderer:
                 if m["others_cpu_share"] != m["others_cpu_share"]  # NaN
                 else f"{m['others_cpu_share']:.0%} of the cores",
             ),
+            *_speculative_rows(m),
             ("KV cache per token", f"{format_bytes(m['kv_bytes_per_token'])} ({m.get('kv_dtype', 'float32')})"),
             (
                 "KV cache this request",
@@ -372,3 +389,17 @@ def _held(w: dict) -> str:
     held = w.get("held") or {"float32": [w["parameters"], w["bytes_loaded"]]}
     parts = [f"{fmt} {format_bytes(nbytes)}" for fmt, (_, nbytes) in sorted(held.items(), key=lambda kv: -kv[1][1])]
     return parts[0] if len(parts) == 1 else " + ".join(parts) + f" = {format_bytes(w['bytes_loaded'])}"
+
+
+def _speculative_rows(m: dict) -> list[tuple[str, str]]:
+    """The summary's speculative rows: acceptance rate α, tokens per pass, and what the formula
+    ``(1 - α^(k+1)) / (1 - α)`` predicts for passes that verified drafts."""
+    if not m.get("drafted_tokens"):
+        return []
+    alpha, k, steps = m["acceptance_rate"], m.get("speculative_k", 0), m["verify_steps"]
+    formula = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    per_verify = (m["accepted_tokens"] + steps) / steps
+    return [
+        ("speculative", f"{m['accepted_tokens']}/{m['drafted_tokens']} drafts kept (α {alpha:.2f}), k = {k}"),
+        ("tokens per pass", f"{m['tokens_per_pass']:.2f} overall, {per_verify:.2f} per verify (formula {formula:.2f})"),
+    ]

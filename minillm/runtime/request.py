@@ -47,6 +47,7 @@ class RequestMetrics:
     drafted_tokens: int = 0  # speculative decoding: tokens a draft proposed, and how many were kept
     accepted_tokens: int = 0
     verify_steps: int = 0  # speculative passes that checked at least one drafted token
+    speculative_k: int = 0  # tokens drafted per pass at most (Speculative.num_tokens); 0: no speculation
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -289,6 +290,7 @@ class Request:
         self.stop_reason: StopReason | None = None
         self.condition = None
         self.spec = None if spec is None else SpeculativeDecoder(spec, model, self)
+        self.metrics.speculative_k = 0 if spec is None else spec.num_tokens
 
     def new_cache(self, max_seq_len: int) -> KVCache:
         """The request's own cache of ``max_seq_len`` positions: a contiguous :class:`KVCache` here;

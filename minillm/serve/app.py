@@ -217,6 +217,7 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         )
     try:
         params = minillm.SamplingParams.from_fields(body)
+        speculative = _speculative(worker, body)
     except minillm.MiniLLMError as exc:
         raise _runtime_error(exc) from None
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
@@ -230,7 +231,18 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         top_logprobs,
         asyncio.get_running_loop(),
         asyncio.Queue(),
+        speculative=speculative,
     )
+
+
+def _speculative(worker, body) -> minillm.Speculative | None:
+    """The body's ``speculative`` / ``num_speculative_tokens`` over the server's default (``off``: none)."""
+    default = worker.speculative
+    draft = body.speculative or (default.draft if default else None)
+    if draft in (None, "off"):
+        return None
+    k = body.num_speculative_tokens or (default.num_tokens if default else 4)
+    return minillm.Speculative(draft, num_tokens=k)
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -273,6 +285,7 @@ def _usage(o: Outcome) -> p.UsageInfo:
         completion_tokens=o.completion_tokens,
         total_tokens=o.prompt_tokens + o.completion_tokens,
         prompt_tokens_details=p.PromptTokensDetails(cached_tokens=o.cached_tokens),
+        **(o.speculative or {}),
     )
 
 

@@ -39,6 +39,12 @@ class SamplingFields(BaseModel):
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0 = off)")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    speculative: str | None = Field(
+        None,
+        description="speculative decoding's draft: ngram | self-int8 | self-gguf | layers:K | off "
+        "(default: the server's --speculative); the output's distribution is the model's either way",
+    )
+    num_speculative_tokens: int | None = Field(None, ge=1, le=16, description="tokens drafted per pass")
 
 
 class ChatMessage(BaseModel):
@@ -69,6 +75,10 @@ class UsageInfo(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # minillm's extras, with speculative decoding: forward passes of the model, tokens drafted and kept
+    target_passes: int | None = None
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
 
 
 class TopLogprob(BaseModel):

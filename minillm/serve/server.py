@@ -35,6 +35,13 @@ def run_server(args: argparse.Namespace) -> int:
         if not ok:
             err.print(f"[bold red]error:[/] {message}")
             return 2
+    import minillm
+
+    try:
+        speculative = minillm.Speculative(args.speculative, args.num_speculative_tokens) if args.speculative else None
+    except minillm.MiniLLMError as exc:
+        err.print(f"[bold red]error:[/] --speculative / --num-speculative-tokens: {exc}")
+        return 2
     console = Console(highlight=False)
     worker = Worker(
         args.model,
@@ -52,6 +59,7 @@ def run_server(args: argparse.Namespace) -> int:
         kv_cache_mib=args.kv_cache_mib,
         max_batched_tokens=args.max_batched_tokens,
         block_size=args.block_size,
+        speculative=speculative,
     )
     served = args.served_model_name or args.model
     app = create_app(worker, served)

@@ -58,6 +58,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     channel: asyncio.Queue
     cancel: threading.Event = field(default_factory=threading.Event)
+    speculative: minillm.Speculative | None = None  # the body's, else the server's default
     arrival: float = field(default_factory=time.perf_counter)  # seconds (perf_counter)
 
     def send(self, kind: str, value) -> None:
@@ -77,6 +78,7 @@ class Outcome:
     ttft_s: float | None  # from arrival (queue wait included) to the first token; None if no token
     logprobs: list[dict] | None  # one entry per output token: token, logprob, top alternatives
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the pool's prefix cache
+    speculative: dict | None = None  # target_passes, drafted_tokens, accepted_tokens (speculative requests)
 
 
 class QueueFullError(Exception):
@@ -130,8 +132,10 @@ class Worker:
         kv_cache_mib: float = 512.0,
         max_batched_tokens: int = 512,
         block_size: int = 16,
+        speculative: minillm.Speculative | None = None,
     ):
         self.model_name = model_name
+        self.speculative = speculative  # the default for requests that do not name a draft
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
         self.max_seq_len = max_seq_len
@@ -269,6 +273,7 @@ class Worker:
                 stop=job.stop,
                 timeout_s=timeout,
                 cancel=job.cancel,
+                speculative=job.speculative,
             )
             self.scheduler.add(request)  # refuses a request the pool could never hold (400)
         except minillm.MiniLLMError as exc:  # a request the runtime refuses: the client gets a 400
@@ -321,6 +326,9 @@ class Worker:
                 ttft,
                 logprobs,
                 m.cached_prompt_tokens,
+                {k: getattr(m, k) for k in ("target_passes", "drafted_tokens", "accepted_tokens")}
+                if m.speculative_k
+                else None,
             ),
         )
 
