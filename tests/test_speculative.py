@@ -389,3 +389,26 @@ def test_server_speculative_body_field_and_default(word_model):
         assert off["target_passes"] is None and off["completion_tokens"] == 12
         bad = client.post("/v1/completions", json={**body, "speculative": "layers:9"})
         assert bad.status_code == 400 and "K must be in 1..3" in bad.json()["error"]["message"]
+
+
+def test_trace_shows_each_verification_and_the_summary_rates(word_model):
+    import io
+
+    from rich.console import Console
+
+    from minillm.observe.events import Tracer
+
+    out = io.StringIO()
+    tracer = Tracer(Console(file=out, width=160), verbosity="full", live=False)
+    r = minillm.generate(word_model, PROMPTS[2], max_new_tokens=16, tracer=tracer, speculative="ngram")
+    verifies = [e.data for e in tracer.events if e.phase == "verify"]
+    m = r.metrics
+    assert len(verifies) == m.verify_steps > 0
+    assert sum(v["accepted"] for v in verifies) == m.accepted_tokens
+    assert sum(len(v["drafted"]) for v in verifies) == m.drafted_tokens
+    assert verifies[-1]["acceptance_rate"] == m.accepted_tokens / m.drafted_tokens
+    summary = next(e.data for e in tracer.events if e.phase == "summary")
+    assert summary["tokens_per_pass"] == len(r.ids) / m.target_passes
+    text = out.getvalue()
+    assert text.count("  verify  ") == m.verify_steps
+    assert f"{m.accepted_tokens}/{m.drafted_tokens} drafts kept" in text and "formula" in text

@@ -138,8 +138,10 @@ def generate_batch(
             used/free, prefix hits, preemptions, block tables), e.g. ``minillm.Tracer``.
         **options: request options for every prompt, as :func:`stream` (``chat``, ``stop``,
             ``stop_token_ids``, ``include_stop_string``, ``timeout_s``, ``cancel``, ``rng``,
-            ``max_seq_len``); not ``cache``; ``kv_dtype`` only ``"float32"`` (the paged pool's blocks
-            are float32; float16/int8 KV work with :func:`generate` and :func:`stream`).
+            ``max_seq_len``, ``speculative``: each request drafts on its own and verifies its drafts as
+            one chunk of ``k + 1`` tokens in the batched pass; rejected positions' blocks go back);
+            not ``cache``; ``kv_dtype`` only ``"float32"`` (the paged pool's blocks are float32;
+            float16/int8 KV work with :func:`generate` and :func:`stream`).
 
     Returns:
         one :class:`GenerationResult` per prompt, in the prompts' order; ``metrics`` adds

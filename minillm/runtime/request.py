@@ -186,11 +186,13 @@ class Request:
         timeout_s: wall-clock deadline in seconds from the request start (> 0).
         cancel: a ``threading.Event`` or a callable returning True; checked between steps.
             A ``KeyboardInterrupt`` (Ctrl-C) during the model's work cancels the same way.
+        speculative: a :class:`~minillm.runtime.speculative.Speculative` or a draft name: decode by
+            drafting and verifying (``speculative.py``); None decodes one token per pass.
 
     Raises (on construction):
         InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
             sequence, ``timeout_s <= 0``, a ``cancel`` that is neither Event nor callable, a
-            ``kv_dtype`` not in ``KV_DTYPES`` or not the given cache's.
+            ``kv_dtype`` not in ``KV_DTYPES`` or not the given cache's, a bad ``speculative``.
         ContextWindowExceeded: the prompt leaves no room for a new token.
     """
 

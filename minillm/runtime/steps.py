@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minillm.errors import InvalidRequestError
+from minillm.model import primitives
 from minillm.model.kv_cache import KVCache
 from minillm.runtime import sampling
 from minillm.runtime.sampling import SamplingParams
@@ -109,10 +110,17 @@ def verify_step(model: Model, token_id: int, drafted, cache: KVCache) -> np.ndar
     Returns:
         float32 logits ``[k + 1, vocab]``: row ``i`` scores the token after the first ``i`` drafts.
 
+    The ``k + 1`` rows take the batched pass's few-rows products (``primitives.BATCHED``): a short
+    product costs about what one row costs there, which is what makes verifying cheap.
+
     Raises:
         KVCacheFullError: no room for ``k + 1`` more positions.
     """
-    return model.transformer.forward(np.array([token_id, *drafted], dtype=np.int64), cache)  # [k + 1, vocab]
+    batched = primitives.BATCHED.set(True)
+    try:
+        return model.transformer.forward(np.array([token_id, *drafted], dtype=np.int64), cache)  # [k + 1, vocab]
+    finally:
+        primitives.BATCHED.reset(batched)
 
 
 def sample(
