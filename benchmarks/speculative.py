@@ -1,6 +1,6 @@
 """Speculative decoding: tokens per forward pass and decode speed, plain against each draft, in one run.
 
-    python -m benchmarks.speculative                       # SmolLM2, 3 workloads x 4 drafts, ~10 min
+    python -m benchmarks.speculative                       # SmolLM2, 3 workloads x 4 drafts
     python -m benchmarks.speculative --quick               # smoke run: 16 tokens, the incident only
     python -m benchmarks.speculative --drafts ngram --k 2,4,8
 
@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--tokens", type=int, default=120, help="new tokens per run (default 120)")
-    p.add_argument("--drafts", default="ngram,layers:10,self-int8", help="comma-separated drafts")
+    p.add_argument("--drafts", default="ngram,layers:20,self-int8,self-gguf", help="comma-separated drafts")
     p.add_argument("--k", default="4", help="comma-separated tokens drafted per pass (default 4)")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1: steadier on a shared machine)")
     p.add_argument("--quick", action="store_true", help="16 tokens, the incident summary only")

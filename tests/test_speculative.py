@@ -412,3 +412,24 @@ def test_trace_shows_each_verification_and_the_summary_rates(word_model):
     text = out.getvalue()
     assert text.count("  verify  ") == m.verify_steps
     assert f"{m.accepted_tokens}/{m.drafted_tokens} drafts kept" in text and "formula" in text
+
+
+def test_cli_and_serve_flags_parse():
+    from minillm.cli import build_parser
+
+    args = build_parser().parse_args(["run", "hi", "--speculative", "layers:3", "--num-speculative-tokens", "6"])
+    assert (args.speculative, args.num_speculative_tokens) == ("layers:3", 6)
+    args = build_parser().parse_args(["serve", "m", "--speculative", "ngram"])
+    assert (args.speculative, args.num_speculative_tokens) == ("ngram", 4)
+
+
+@pytest.mark.slow
+def test_a_draft_equal_to_the_model_accepts_everything(smollm2):
+    """SmolLM2's float32 weights are dequantized from its Q4_1 GGUF, so the self-gguf draft computes the
+    model's own logits (another product order): every draft is kept, one pass per k + 1 tokens."""
+    plain = minillm.generate(smollm2, "The capital of France is", max_new_tokens=21)
+    spec = minillm.generate(smollm2, "The capital of France is", max_new_tokens=21,
+                            speculative=Speculative("self-gguf", num_tokens=4))  # fmt: skip
+    assert spec.ids == plain.ids
+    m = spec.metrics
+    assert (m.drafted_tokens, m.accepted_tokens, m.target_passes) == (16, 16, 1 + 20 // 5)

@@ -235,17 +235,10 @@ def verify(
 ) -> dict[str, Any]:
     """One speculative verification: the drafted pieces, how many were kept, the resampled or bonus
     token, and the rates so far (``drafted_so_far``, ``accepted_so_far``, ``tokens_per_pass``)."""
-    piece = model.tokenizer.piece_for_display
-    done, seen = rates["accepted_so_far"], rates["drafted_so_far"]
-    return dict(
-        drafted=[piece(i) for i in drafted],
-        accepted=accepted,
-        token=piece(token),
-        bonus=bonus,
-        emitted=len(kept),
-        acceptance_rate=done / seen if seen else float("nan"),
-        tokens_per_pass=rates["tokens_per_pass"],
-    )
+    piece, done, seen = model.tokenizer.piece_for_display, rates["accepted_so_far"], rates["drafted_so_far"]
+    return dict(drafted=[piece(i) for i in drafted], accepted=accepted, token=piece(token), bonus=bonus,
+                emitted=len(kept), acceptance_rate=done / seen if seen else float("nan"),
+                tokens_per_pass=rates["tokens_per_pass"])  # fmt: skip
 
 
 def batch_step(

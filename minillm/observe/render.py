@@ -215,19 +215,14 @@ class Renderer:
 
     def _verify(self, e: TraceEvent) -> None:
         """One line per verification: drafted pieces (kept ones bold), the token after them, the rates."""
-        d = e.data
-        if self.tracer.verbosity == "summary":
+        if (d := e.data) and self.tracer.verbosity == "summary":
             return
         pieces = [f"[bold]{escape(p)}[/]" if j < d["accepted"] else f"[strike dim]{escape(p)}[/]"
                   for j, p in enumerate(d["drafted"])]  # fmt: skip
         how = "bonus" if d["bonus"] else "resampled"
-        self.console.print(
-            f"  verify  {' '.join(pieces)}  {d['accepted']}/{len(d['drafted'])} kept, {how} {escape(d['token'])}  "
-            f"[dim]α {d['acceptance_rate']:.2f}, {d['tokens_per_pass']:.2f} tokens per pass[/]",
-            highlight=False,
-            no_wrap=True,
-            overflow="ellipsis",
-        )
+        line = f"  verify  {' '.join(pieces)}  {d['accepted']}/{len(d['drafted'])} kept, {how} {escape(d['token'])}  "
+        rates = f"[dim]α {d['acceptance_rate']:.2f}, {d['tokens_per_pass']:.2f} tokens per pass[/]"
+        self.console.print(line + rates, highlight=False, no_wrap=True, overflow="ellipsis")
 
     def _batch_step(self, e: TraceEvent) -> None:
         """One line per scheduler step; the block tables and the pool when requests joined or left."""
