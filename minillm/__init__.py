@@ -27,6 +27,7 @@ from minillm.runtime.generate import generate, generate_batch, stream
 from minillm.runtime.loading import Model, load, run_warmup
 from minillm.runtime.request import GenerationResult
 from minillm.runtime.sampling import SamplingParams
+from minillm.runtime.speculative import Speculative
 from minillm.runtime.steps import decode_step, detokenize, prefill, sample, tokenize
 from minillm.runtime.stopping import StopReason
 
@@ -40,6 +41,7 @@ __all__ = [
     "Model",
     "ModelConfig",
     "SamplingParams",
+    "Speculative",
     "StopReason",
     "TraceEvent",
     "Tracer",

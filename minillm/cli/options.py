@@ -128,6 +128,8 @@ def add_request_args(p: argparse.ArgumentParser, *, conversation: bool = False) 
         help="attach a text file (UTF-8; '-' reads stdin): its text, a blank line, then the prompt "
         "(in chat: the user message)",
     )
+    p.add_argument("--speculative", default=None, metavar="DRAFT", help="draft: ngram | self-int8 | layers:K")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafted per pass (default 4)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 

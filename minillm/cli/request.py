@@ -160,6 +160,9 @@ def run_request(args: argparse.Namespace, console: Console) -> int:
             timeout_s=args.timeout,
             max_seq_len=args.max_seq_len,
             kv_dtype=args.kv_dtype,
+            speculative=minillm.Speculative(args.speculative, args.num_speculative_tokens)
+            if args.speculative
+            else None,
             cancel=cancel,
             result=results,
             constraint=constraint_of(args),

@@ -186,13 +186,60 @@ class KVCachePool:
         if need > len(self.free_blocks):
             raise self._full(need)
         for _ in range(need):
-            block, _ = self.free_blocks.popitem(last=False)  # least recently freed: LRU eviction
-            if self.block_hash[block] is not None:  # its cached prefix is evicted now
-                if self.cached.get(self.block_hash[block]) == block:
-                    del self.cached[self.block_hash[block]]
-                self.block_hash[block] = None
-            self.ref_count[block] = 1
-            seq.block_table.append(block)
+            seq.block_table.append(self._fresh_block())
+
+    def _fresh_block(self) -> int:
+        """Take the least recently freed block (LRU eviction: its cached prefix is forgotten), count 1."""
+        block, _ = self.free_blocks.popitem(last=False)
+        self._unname(block)
+        self.ref_count[block] = 1
+        return block
+
+    def _unname(self, block: int) -> None:
+        """Take ``block`` out of the prefix cache (its contents are about to change)."""
+        if self.block_hash[block] is not None:
+            if self.cached.get(self.block_hash[block]) == block:
+                del self.cached[self.block_hash[block]]
+            self.block_hash[block] = None
+
+    def truncate(self, seq: PagedSequence, length: int) -> None:
+        """Forget ``seq``'s positions ``length..`` (speculative decoding's rejected drafts): whole
+        tail blocks go back to the pool; the next write starts at ``length``.
+
+        A tail block that is partly kept will be overwritten from ``length % block_size`` on. If the
+        prefix cache names it, the name is dropped; if another sequence shares it (prefix caching),
+        ``seq`` gets a private copy of the kept positions instead (copy on write), so the other
+        sequence's keys are never touched.
+
+        Raises:
+            InvalidRequestError: ``length`` outside ``0..seq.length``.
+            KVCacheFullError: a shared block must be copied and no block is free.
+        """
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= seq.length:
+            raise InvalidRequestError(f"cannot truncate a sequence of length {seq.length} to {length!r}.")
+        keep = self.blocks_for(length)
+        for block in reversed(seq.block_table[keep:]):  # tail first: freed newest last, as release
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self.free_blocks[block] = None
+        del seq.block_table[keep:]
+        del seq.hashes[length // self.block_size :]  # blocks no longer full lose their names
+        if length % self.block_size:  # the last kept block is partly overwritten from here on
+            block = seq.block_table[-1]
+            if self.ref_count[block] > 1:  # shared: copy the kept positions into a block of our own
+                if not self.free_blocks:
+                    raise self._full(1)
+                fresh, bs = self._fresh_block(), self.block_size
+                for store in (self.keys, self.values):  # [n_layers, n_kv_heads, slots, head_dim]
+                    store[:, :, fresh * bs : fresh * bs + length % bs] = store[
+                        :, :, block * bs : block * bs + length % bs
+                    ]
+                self.ref_count[block] -= 1
+                seq.block_table[-1] = fresh
+            else:
+                self._unname(block)
+        seq.length = length
+        seq._slots = np.zeros(0, dtype=np.int64)
 
     def register_full_blocks(self, seq: PagedSequence, token_ids) -> None:
         """Enter ``seq``'s newly filled blocks into the prefix cache; ``token_ids`` are the
@@ -317,6 +364,11 @@ class PagedSequence:
         self.length += seq
 
     # --- lifecycle -----------------------------------------------------------------------------------
+    def truncate(self, length: int) -> None:
+        """Forget positions ``length..``, as ``KVCache.truncate``; whole tail blocks return to the pool
+        (:meth:`KVCachePool.truncate`)."""
+        self.pool.truncate(self, length)
+
     def reset(self) -> None:
         """Give every block back to the pool (cached prefixes stay findable until evicted)."""
         self.pool.release(self)

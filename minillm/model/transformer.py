@@ -119,7 +119,13 @@ class Transformer:
             x = x[-1:]  # [1, d_model]
         return self.head(x)
 
-    def forward_batch(self, chunks: Sequence[tuple[np.ndarray, KVCache]], *, all_logits: bool = False) -> np.ndarray:
+    def forward_batch(
+        self,
+        chunks: Sequence[tuple[np.ndarray, KVCache]],
+        *,
+        all_logits: bool = False,
+        last_rows: Sequence[int] | None = None,
+    ) -> np.ndarray:
         """Run several sequences in one pass: each ``(token_ids, cache)`` feeds ``token_ids`` at
         positions ``cache.length..`` of its own cache (a decode row is one id, a prefill chunk many).
 
@@ -137,10 +143,13 @@ class Transformer:
                 Each cache is written at ``cache.length..+seq_j`` and advanced by ``seq_j``.
             all_logits: return logits for every row (tests, lessons) instead of the last row of
                 each sequence (what sampling needs; saves the LM head's work on prefill rows).
+            last_rows: how many of each sequence's last rows get logits (default 1 each); speculative
+                decoding verifies ``k`` drafted tokens with the logits of a chunk's last ``k + 1`` rows.
 
         Returns:
             float32 logits ``[n_sequences, vocab]`` (the last row of each chunk), or
-            ``[rows, vocab]`` with ``all_logits`` (rows in the order of ``chunks``).
+            ``[rows, vocab]`` with ``all_logits`` (rows in the order of ``chunks``), or
+            ``[sum(last_rows), vocab]`` with ``last_rows``.
 
         Raises:
             InvalidRequestError: no chunks, or a chunk without tokens.
@@ -168,7 +177,9 @@ class Transformer:
                 x = self.decoder_layer(i, x, layer, attend)
             for token_ids, cache in zip(ids, caches, strict=True):
                 cache.advance(len(token_ids))
-            if not all_logits:
+            if last_rows is not None:  # [sum(last_rows), d_model]: each sequence's last rows, in order
+                x = x[np.concatenate([np.arange(b - m, b) for b, m in zip(bounds[1:], last_rows, strict=True)])]
+            elif not all_logits:
                 x = x[bounds[1:] - 1]  # [n_sequences, d_model]: each sequence's last row
             return self.head(x)
         finally:

@@ -245,6 +245,17 @@ def mask(model, allowed: np.ndarray, token: int, forced: list[int]) -> dict[str,
     )
 
 
+def verify(
+    model, drafted: list[int], accepted: int, token: int, bonus: bool, kept: list[int], **rates
+) -> dict[str, Any]:
+    """One speculative verification: the drafted pieces, how many were kept, the resampled or bonus
+    token, and the rates so far (``drafted_so_far``, ``accepted_so_far``, ``tokens_per_pass``)."""
+    piece, done, seen = model.tokenizer.piece_for_display, rates["accepted_so_far"], rates["drafted_so_far"]
+    return dict(drafted=[piece(i) for i in drafted], accepted=accepted, token=piece(token), bonus=bonus,
+                emitted=len(kept), acceptance_rate=done / seen if seen else float("nan"),
+                tokens_per_pass=rates["tokens_per_pass"])  # fmt: skip
+
+
 def batch_step(
     model,
     step: int,

@@ -26,7 +26,19 @@ from minillm.observe.render import Renderer
 from minillm.observe.trace_event import TraceEvent
 
 VERBOSITY = ("quiet", "summary", "steps", "full")
-PHASES = ("load", "warmup", "prepare", "tokenize", "prefill", "mask", "decode", "stop", "summary", "batch_step")
+PHASES = (
+    "load",
+    "warmup",
+    "prepare",
+    "tokenize",
+    "prefill",
+    "mask",
+    "decode",
+    "verify",
+    "stop",
+    "summary",
+    "batch_step",
+)
 
 
 class Tracer:

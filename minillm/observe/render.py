@@ -154,7 +154,7 @@ class Renderer:
         """The text the model reads; a long message (an attached document), shown just above, is
         folded here unless verbosity is "full", so the document is printed once."""
         raw, text, pos = d["text"], Text(), 0
-        for m in d["messages"] if self.tracer.verbosity != "full" else ():
+        for m in d["messages"] if self.verbosity != "full" else ():
             content = m.get("content")
             if not isinstance(content, str) or len(content) <= FOLD_MESSAGE_CHARS:
                 continue
@@ -236,7 +236,7 @@ class Renderer:
     def _mask(self, e: TraceEvent) -> None:
         """A constraint's mask: every step at -v full, else only the steps that forced a run."""
         d = e.data
-        if not d["forced"] and self.tracer.verbosity != "full":
+        if not d["forced"] and self.verbosity != "full":
             return
         few = " ".join(d["allowed_pieces"]) if d["allowed"] <= 8 else ""
         forced = f"; forced run of {len(d['forced'])}: {''.join(d['forced_pieces'])}" if d["forced"] else ""
@@ -245,6 +245,17 @@ class Renderer:
             f" -> {escape(d['piece'])}{escape(forced)}[/]",
             highlight=False,
         )
+
+    def _verify(self, e: TraceEvent) -> None:
+        """One line per verification: drafted pieces (kept ones bold), the token after them, the rates."""
+        if (d := e.data) and self.verbosity == "summary":
+            return
+        pieces = [f"[bold]{escape(p)}[/]" if j < d["accepted"] else f"[strike dim]{escape(p)}[/]"
+                  for j, p in enumerate(d["drafted"])]  # fmt: skip
+        how = "bonus" if d["bonus"] else "resampled"
+        line = f"  verify  {' '.join(pieces)}  {d['accepted']}/{len(d['drafted'])} kept, {how} {escape(d['token'])}  "
+        rates = f"[dim]α {d['acceptance_rate']:.2f}, {d['tokens_per_pass']:.2f} tokens per pass[/]"
+        self.console.print(line + rates, highlight=False, no_wrap=True, overflow="ellipsis")
 
     def _batch_step(self, e: TraceEvent) -> None:
         """One line per scheduler step; the block tables and the pool when requests joined or left."""
@@ -304,6 +315,7 @@ class Renderer:
                 if m["others_cpu_share"] != m["others_cpu_share"]  # NaN
                 else f"{m['others_cpu_share']:.0%} of the cores",
             ),
+            *_speculative_rows(m),
             ("KV cache per token", f"{format_bytes(m['kv_bytes_per_token'])} ({m.get('kv_dtype', 'float32')})"),
             (
                 "KV cache this request",
@@ -405,3 +417,17 @@ def _held(w: dict) -> str:
     held = w.get("held") or {"float32": [w["parameters"], w["bytes_loaded"]]}
     parts = [f"{fmt} {format_bytes(nbytes)}" for fmt, (_, nbytes) in sorted(held.items(), key=lambda kv: -kv[1][1])]
     return parts[0] if len(parts) == 1 else " + ".join(parts) + f" = {format_bytes(w['bytes_loaded'])}"
+
+
+def _speculative_rows(m: dict) -> list[tuple[str, str]]:
+    """The summary's speculative rows: acceptance rate α, tokens per pass, and what the formula
+    ``(1 - α^(k+1)) / (1 - α)`` predicts for passes that verified drafts."""
+    if not m.get("drafted_tokens"):
+        return []
+    alpha, k, steps = m["acceptance_rate"], m.get("speculative_k", 0), m["verify_steps"]
+    formula = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    per_verify = (m["accepted_tokens"] + steps) / steps
+    return [
+        ("speculative", f"{m['accepted_tokens']}/{m['drafted_tokens']} drafts kept (α {alpha:.2f}), k = {k}"),
+        ("tokens per pass", f"{m['tokens_per_pass']:.2f} overall, {per_verify:.2f} per verify (formula {formula:.2f})"),
+    ]

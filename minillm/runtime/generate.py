@@ -19,7 +19,7 @@ from minillm.runtime.loading import Model
 from minillm.runtime.request import GenerationResult, Request
 from minillm.runtime.sampling import SamplingParams
 from minillm.runtime.scheduler import BatchRequest, Scheduler
-from minillm.runtime.steps import Prompt, decode_step, prefill
+from minillm.runtime.steps import Prompt, decode_step, prefill, verify_step
 
 
 def stream(
@@ -43,7 +43,10 @@ def stream(
             ``max_new_tokens`` (64), ``chat``, ``rng``, ``max_seq_len``, ``cache``, ``kv_dtype``
             (``"float32"`` | ``"float16"`` | ``"int8"``: how the request's KV cache holds entries), ``stop``,
             ``stop_token_ids``, ``include_stop_string``, ``timeout_s``, ``cancel``, ``constraint`` (a
-            dict JSON schema or a ``Constraint``: the output follows it; ``constraint.py``).
+            dict JSON schema or a ``Constraint``: the output follows it; ``constraint.py``), ``speculative``
+            (a :class:`~minillm.runtime.speculative.Speculative`, or a draft name: ``"ngram"``,
+            ``"self-int8"``, ``"self-gguf"``, ``"layers:K"``; the output has the model's own
+            distribution, and greedy gives the same ids as without it; not with ``constraint``).
 
     Raises:
         InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
@@ -72,9 +75,16 @@ def run(request: Request, result: list | None = None) -> Iterator[str]:
                 # the whole prompt (past what the cache holds), one forward pass
                 logits = prefill(model, request.prompt_ids[request.reused :], request.cache)
                 request.metrics.prefill_s = time.perf_counter() - t
+                request.metrics.target_passes += 1
                 yield from request.take(logits, t)  # the first new token: TTFT ends here
             while request.running():
                 t = time.perf_counter()
+                drafted, q = request.spec.propose() if request.spec is not None else ([], None)
+                request.metrics.target_passes += 1
+                if drafted:  # verify k drafts in one pass over [last, d1 .. dk]: k + 1 rows of logits
+                    logits = verify_step(model, request.new_ids[-1], drafted, request.cache)
+                    yield from request.spec.settle(logits, drafted, q, t)
+                    continue
                 fed = request.pending()  # the last token; with a constraint, any run it forced after it
                 if len(fed) == 1:
                     logits = decode_step(model, fed[0], request.cache)  # one position, cache reused
@@ -145,9 +155,11 @@ def generate_batch(
             used/free, prefix hits, preemptions, block tables), e.g. ``minillm.Tracer``.
         **options: request options for every prompt, as :func:`stream` (``chat``, ``stop``,
             ``stop_token_ids``, ``include_stop_string``, ``timeout_s``, ``cancel``, ``rng``,
-            ``max_seq_len``, ``constraint``: one per prompt through ``per_prompt``); not ``cache``;
-            ``kv_dtype`` only ``"float32"`` (the paged pool's blocks are float32; float16/int8 KV work
-            with :func:`generate` and :func:`stream`).
+            ``max_seq_len``, ``constraint``: one per prompt through ``per_prompt``; ``speculative``: each
+            request drafts on its own and verifies its drafts as one chunk of ``k + 1`` tokens in the
+            batched pass, rejected positions' blocks go back); not ``cache``; ``kv_dtype`` only
+            ``"float32"`` (the paged pool's blocks are float32; float16/int8 KV work with
+            :func:`generate` and :func:`stream`).
 
     Returns:
         one :class:`GenerationResult` per prompt, in the prompts' order; ``metrics`` adds

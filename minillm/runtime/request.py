@@ -16,6 +16,7 @@ from minillm.runtime import sampling, steps
 from minillm.runtime.loading import Model
 from minillm.runtime.result import GenerationResult, RequestMetrics  # noqa: F401 (re-exported)
 from minillm.runtime.sampling import SamplingParams
+from minillm.runtime.speculative import Speculative, SpeculativeDecoder
 from minillm.runtime.stopping import OutputStream, StopCriteria, StopReason, cancel_check
 from minillm.text.detokenize import IncrementalDetokenizer
 
@@ -52,11 +53,13 @@ class Request:
             A ``KeyboardInterrupt`` (Ctrl-C) during the model's work cancels the same way.
         constraint: what the output must match (``constraint.py``): a dict (a JSON schema) or a
             ``Constraint`` (``json_schema``, ``json_object``, ``regex``, ``lark``); None: free text.
+        speculative: a :class:`~minillm.runtime.speculative.Speculative` or a draft name: decode by
+            drafting and verifying (``speculative.py``); None decodes one token per pass.
 
     Raises (on construction):
         InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
             sequence, ``timeout_s <= 0``, a ``cancel`` that is neither Event nor callable, a
-            ``kv_dtype`` not in ``KV_DTYPES`` or not the given cache's.
+            ``kv_dtype`` not in ``KV_DTYPES`` or not the given cache's, a bad ``speculative``.
         ContextWindowExceeded: the prompt leaves no room for a new token.
     """
 
@@ -75,6 +78,7 @@ class Request:
             "timeout_s",
             "cancel",
             "constraint",
+            "speculative",
         }
     )
 
@@ -97,7 +101,13 @@ class Request:
         timeout_s: float | None = None,
         cancel=None,
         constraint=None,
+        speculative=None,
     ):
+        spec = Speculative.of(speculative)  # checked before any model work
+        if spec is not None and constraint is not None:  # a draft knows no grammar: its ids would need the mask
+            raise InvalidRequestError(
+                "speculative decoding and a constraint cannot be combined yet; drop speculative= (or the constraint)."
+            )
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise InvalidRequestError(
                 f"max_new_tokens must be >= 1, got {max_new_tokens!r} (a whole number of tokens)."
@@ -162,6 +172,8 @@ class Request:
         self.seen = list(self.prompt_ids)  # the repetition penalty's "seen" ids: prompt + new ids
         self.stop_reason: StopReason | None = None
         self.condition = None
+        self.spec = None if spec is None else SpeculativeDecoder(spec, model, self)
+        self.metrics.speculative_k = 0 if spec is None else spec.num_tokens
 
     #: True: a given cache keeps what this request wrote when it ends (a conversation's turn), not emptied
     keeps_cache = False
@@ -203,6 +215,17 @@ class Request:
             self.metrics.ttft_s = now - self.t0
         else:
             self.metrics.decode_step_s.append(now - step_t0)
+        yield from self.push(token, probs, step_t0, now=now, allowed=allowed)
+
+    def push(self, token: int, probs, step_t0: float, *, cache_length=None, step_s=None, now=None, allowed=None):
+        """Pass a chosen ``token`` through the stop chain (``take`` samples one; speculative decoding
+        pushes an accepted run); yield the text it releases. ``cache_length``: the positions before it
+        (default the cache's length); ``step_s``: its share of the step's time; ``allowed``: the
+        constraint's mask the token was drawn under (None without a constraint)."""
+        now = time.perf_counter() if now is None else now
+        if step_s is not None:
+            self.metrics.decode_step_s.append(step_s)
+        cache_length = self.cache.length if cache_length is None else cache_length
         fed = self.seen[-1]  # the token this step fed in (the last prompt token for prefill)
         delta = self._append(token, probs)
         forced = self.constraint.advance(token) if self.constraint is not None and self.stop_reason is None else []
@@ -227,13 +250,13 @@ class Request:
             self._emit(
                 "decode",
                 step_t0,
-                now - step_t0,
+                now - step_t0 if step_s is None else step_s,
                 step=len(self.new_ids) - 1 - len(forced),
-                position=self.cache.length - 1,
+                position=cache_length - 1,
                 input_token=fed,
                 token=token,
                 probs=probs,
-                cache_length=self.cache.length,
+                cache_length=cache_length,
                 last=self.stop_reason is not None,
                 text=delta,
             )
@@ -264,6 +287,20 @@ class Request:
         """The ids not yet in the cache: the last sampled one, then any forced run (fed as one chunk)."""
         return self.seen[self.cache.length :]
 
+    def emit_verify(self, step_t0: float, **facts) -> None:
+        """Tell the listener of one speculative verification (``speculative.py``), with the rates so far."""
+        m = self.metrics
+        passes = max(m.target_passes, 1)
+        self._emit(
+            "verify",
+            step_t0,
+            time.perf_counter() - step_t0,
+            **facts,
+            drafted_so_far=m.drafted_tokens,
+            accepted_so_far=m.accepted_tokens,
+            tokens_per_pass=len(self.new_ids) / passes,
+        )
+
     def _show(self, delta: str):
         if delta:
             self._emit("text", time.perf_counter(), 0.0, text=delta)
@@ -292,6 +329,8 @@ class Request:
             self.cache.used_bytes,
             self.cache.nbytes,
         )
+        if self.spec is not None:
+            self.spec.release()
         if self.own_cache:
             self.cache.free()
         elif not self.keeps_cache:

@@ -31,6 +31,11 @@ class RequestMetrics:
     kv_bytes_reserved: int = 0
     cached_prompt_tokens: int = 0  # prompt positions reused from a paged pool's prefix cache (batching)
     preemptions: int = 0  # times the batch scheduler took this request's blocks back to recompute later
+    target_passes: int = 0  # forward passes of the model over this request (prefill chunks included)
+    drafted_tokens: int = 0  # speculative decoding: tokens a draft proposed, and how many were kept
+    accepted_tokens: int = 0
+    verify_steps: int = 0  # speculative passes that checked at least one drafted token
+    speculative_k: int = 0  # tokens drafted per pass at most (Speculative.num_tokens); 0: no speculation
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -64,6 +69,8 @@ class RequestMetrics:
         d = {name: getattr(self, name) for name in self.__dataclass_fields__}
         d["decode_step_s"] = list(self.decode_step_s)
         d.update(
+            acceptance_rate=self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else float("nan"),
+            tokens_per_pass=self.new_tokens / self.target_passes if self.target_passes else float("nan"),
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             tpot_s=self.tpot_s,
             tpot_p50_s=self.tpot_percentile(50),

@@ -56,6 +56,7 @@ class BatchRequest(Request):
         # the others keep their pace. Its measured step times never include the wait.
         self.step_delay_s = 0.0
         self.hold_until = 0.0  # time.perf_counter() seconds
+        self.drafted: tuple[list[int], object] = ([], None)  # this step's draft ids and q (speculative)
 
     def new_cache(self, max_seq_len: int) -> PagedSequence:
         return PagedSequence(self.pool, max_seq_len)  # the pool may be set later (sized from the requests)
@@ -134,6 +135,7 @@ class Scheduler:
             if request not in self.running or request.hold_until > now:  # preempted earlier; slow motion
                 continue
             n = min(len(request.seen) - request.seq.length, budget)
+            n += self._draft(request, n, budget)
             while not self.pool.can_grow(request.seq, n):  # a decode needs a block and none is free
                 victim = self.running[-1]  # the newest request gives its blocks back
                 self._preempt(victim)
@@ -159,6 +161,18 @@ class Scheduler:
             budget -= n
         return rows, admitted, preempted
 
+    def _draft(self, request: BatchRequest, n: int, budget: int) -> int:
+        """A speculative request about to decode proposes its drafts (kept in ``request.drafted``);
+        returns how many positions they add to its row (none when no block is free for them)."""
+        request.drafted = ([], None)
+        if request.spec is None or not request.new_ids or n != 1 or request.seq.length != len(request.seen) - 1:
+            return 0
+        ids, q = request.spec.propose(limit=budget)
+        if not ids or not self.pool.can_grow(request.seq, 1 + len(ids)):
+            return 0
+        request.drafted = (ids, q)
+        return len(ids)
+
     def _preempt(self, request: BatchRequest) -> None:
         self.pool.release(request.seq)  # its full blocks stay cached: recomputing may reuse them
         request.metrics.preemptions += 1
@@ -176,22 +190,28 @@ class Scheduler:
         starts = [request.seq.length for request, _ in rows]
         fed = None if self.listener is None else [_row_facts(r, n, s) for (r, n), s in zip(rows, starts, strict=True)]
         if rows:
-            chunks = [
-                (np.asarray(r.seen[s : s + n], dtype=np.int64), r.seq) for (r, n), s in zip(rows, starts, strict=True)
+            chunks = [  # a speculative row feeds [last, d1 .. dk]
+                (np.asarray(r.seen[s : s + n] if not r.drafted[0] else [r.seen[s], *r.drafted[0]]), r.seq)
+                for (r, n), s in zip(rows, starts, strict=True)
             ]
-            logits = self.model.transformer.forward_batch(chunks)  # [requests, vocab]: each one's last row
+            last_rows = [1 + len(r.drafted[0]) for r, _ in rows]  # k + 1 rows verify k drafts
+            logits = self.model.transformer.forward_batch(chunks, last_rows=last_rows)  # [sum(last_rows), vocab]
             forward_s = time.perf_counter() - t0
-            for (request, _), row in zip(rows, logits, strict=True):
-                self.pool.register_full_blocks(request.seq, request.seen)
+            ends = np.cumsum(last_rows)
+            for (request, _), end, m in zip(rows, ends, last_rows, strict=True):
+                request.metrics.target_passes += 1
                 if request.step_delay_s > 0:
                     request.hold_until = time.perf_counter() + request.step_delay_s
                 if not request.new_ids:
                     request.metrics.prefill_s += forward_s
-                if request.seq.length == len(request.seen):  # every token is in: sample the next
-                    request.deltas.extend(request.take(row, t0))
-                    if request.stop_reason is not None:
-                        finished.append(request)
-                        self._finish(request)
+                if request.drafted[0]:  # accept, roll the rejected drafts' blocks back, push the run
+                    request.deltas.extend(request.spec.settle(logits[end - m : end], *request.drafted, t0))
+                elif request.seq.length == len(request.seen):  # every token is in: sample the next
+                    request.deltas.extend(request.take(logits[end - 1], t0))
+                self.pool.register_full_blocks(request.seq, request.seen)  # after any rollback
+                if request.stop_reason is not None:
+                    finished.append(request)
+                    self._finish(request)
         self.steps += 1
         if self.listener is not None:
             self._tell(t0, fed, admitted, preempted, finished)

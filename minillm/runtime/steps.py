@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from minillm.errors import InvalidRequestError
+from minillm.model import primitives
 from minillm.model.kv_cache import KVCache
 from minillm.runtime import sampling
 from minillm.runtime.loaded_model import Model
@@ -96,6 +97,26 @@ def decode_step(model: Model, token_id: int, cache: KVCache) -> np.ndarray:
         KVCacheFullError: no room in the cache for one more position.
     """
     return model.transformer.forward(np.array([token_id], dtype=np.int64), cache)[0]  # [vocab]
+
+
+def verify_step(model: Model, token_id: int, drafted, cache: KVCache) -> np.ndarray:
+    """Feed ``token_id`` and the ``k`` drafted ids at ``cache.length..``, one forward pass (a short
+    prefill); the cache grows by ``k + 1`` (speculative decoding truncates the rejected ones).
+
+    Returns:
+        float32 logits ``[k + 1, vocab]``: row ``i`` scores the token after the first ``i`` drafts.
+
+    The ``k + 1`` rows take the batched pass's few-rows products (``primitives.BATCHED``): a short
+    product costs about what one row costs there, which is what makes verifying cheap.
+
+    Raises:
+        KVCacheFullError: no room for ``k + 1`` more positions.
+    """
+    batched = primitives.BATCHED.set(True)
+    try:
+        return model.transformer.forward(np.array([token_id, *drafted], dtype=np.int64), cache)  # [k + 1, vocab]
+    finally:
+        primitives.BATCHED.reset(batched)
 
 
 def sample(

@@ -68,6 +68,8 @@ def add_commands(sub) -> None:
         help="tokens fed per step over all requests: long prompts go in chunks (default 512)",
     )
     s.add_argument("--block-size", type=int, default=16, metavar="N", help="positions per KV block (default 16)")
+    s.add_argument("--speculative", default=None, metavar="DRAFT", help="default draft: ngram | self-int8 | layers:K")
+    s.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafted per pass (default 4)")
     s.add_argument("--threads", type=int, default=None, metavar="N", help="BLAS threads (default: all cores)")
     s.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
     s.add_argument(

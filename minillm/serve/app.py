@@ -296,6 +296,7 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         )
     try:
         params = replace(minillm.SamplingParams.from_fields(body), top_logprobs=top_logprobs)
+        speculative = _speculative(worker, body)
     except minillm.MiniLLMError as exc:
         raise _runtime_error(exc) from None
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
@@ -313,6 +314,7 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         fault=body.minillm_test_fault.model_dump() if body.minillm_test_fault is not None else None,
         model=body.model,
         constraint=_constraint(worker, getattr(body, "response_format", None)),
+        speculative=speculative,
     )
 
 
@@ -339,6 +341,16 @@ def _constraint(worker, response_format):
     except minillm.MiniLLMError as exc:
         raise APIError(400, f"response_format.json_schema.schema: {exc}", param="response_format") from None
     return constraint
+
+
+def _speculative(worker, body) -> minillm.Speculative | None:
+    """The body's ``speculative`` / ``num_speculative_tokens`` over the server's default (``off``: none)."""
+    default = worker.speculative
+    draft = body.speculative or (default.draft if default else None)
+    if draft in (None, "off"):
+        return None
+    k = body.num_speculative_tokens or (default.num_tokens if default else 4)
+    return minillm.Speculative(draft, num_tokens=k)
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -387,6 +399,7 @@ def _usage(o: Outcome) -> p.UsageInfo:
         total_tokens=o.prompt_tokens + o.completion_tokens,
         prompt_tokens_details=p.PromptTokensDetails(cached_tokens=o.cached_tokens),
         load_s=o.load_s,
+        **(o.speculative or {}),
     )
 
 

@@ -95,6 +95,13 @@ class SamplingFields(BaseModel):
     )
     minillm_test_fault: TestFault | None = Field(None, description="test hook; refused unless --test-faults")
 
+    speculative: str | None = Field(
+        None,
+        description="speculative decoding's draft: ngram | self-int8 | self-gguf | layers:K | off "
+        "(default: the server's --speculative); the output's distribution is the model's either way",
+    )
+    num_speculative_tokens: int | None = Field(None, ge=1, le=16, description="tokens drafted per pass")
+
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
 
     @model_validator(mode="before")
@@ -159,6 +166,10 @@ class UsageInfo(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
     load_s: float = 0.0  # minillm: seconds of the model load this request waited for (ollama's load_duration)
+    # minillm's extras, with speculative decoding: forward passes of the model, tokens drafted and kept
+    target_passes: int | None = None
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
 
 
 class TopLogprob(BaseModel):

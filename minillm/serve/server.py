@@ -51,6 +51,13 @@ def run_server(args: argparse.Namespace) -> int:
         if not ok:
             err.print(f"[bold red]error:[/] {message}")
             return 2
+    import minillm
+
+    try:
+        speculative = minillm.Speculative(args.speculative, args.num_speculative_tokens) if args.speculative else None
+    except minillm.MiniLLMError as exc:
+        err.print(f"[bold red]error:[/] --speculative / --num-speculative-tokens: {exc}")
+        return 2
     console = Console(highlight=False)
     if _several_models(args):  # models.py: plans, on-demand loads, eviction
         from .multi_server import run_registry
@@ -80,6 +87,7 @@ def run_server(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         events=EventBus(args.events_buffer, args.max_event_subscribers, log=console.print),
         guard=Guard(metrics, stream_buffer=args.stream_buffer, test_faults=args.test_faults),
+        speculative=speculative,
     )
     served = args.served_model_name or args.model
     app = create_app(worker, served, max_request_bytes=args.max_request_bytes)

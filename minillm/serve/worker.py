@@ -59,6 +59,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     channel: asyncio.Queue
     cancel: threading.Event = field(default_factory=threading.Event)
+    speculative: minillm.Speculative | None = None  # the body's, else the server's default
     arrival: float = field(default_factory=time.perf_counter)  # seconds (perf_counter)
     slow_motion_s: float = 0.0  # seconds it sits out after each of its steps (the live page's control)
     fault: dict | None = None  # --test-faults only: {"stage": ..., "at_token": N} (reliability.py)
@@ -85,6 +86,7 @@ class Outcome:
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the pool's prefix cache
     load_s: float = 0.0  # seconds of the model load the request waited for (ollama's load_duration)
     incomplete: str | None = None  # a constrained answer cut short: why it is not a whole document
+    speculative: dict | None = None  # target_passes, drafted_tokens, accepted_tokens (speculative requests)
 
 
 class QueueFullError(Exception):
@@ -141,8 +143,10 @@ class Worker:
         block_size: int = 16,
         events: EventBus | None = None,
         guard: Guard | None = None,
+        speculative: minillm.Speculative | None = None,
     ):
         self.model_name = model_name
+        self.speculative = speculative  # the default for requests that do not name a draft
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
         self.max_seq_len = max_seq_len
@@ -305,6 +309,7 @@ class Worker:
                 cancel=job.cancel,
                 fault=job.fault,
                 constraint=job.constraint,
+                speculative=job.speculative,
             )
             request.step_delay_s = job.slow_motion_s
             self.scheduler.add(request)  # refuses a request the pool could never hold (400)
@@ -366,6 +371,9 @@ class Worker:
                 m.cached_prompt_tokens,
                 job.load_s,
                 result.incomplete,
+                {k: getattr(m, k) for k in ("target_passes", "drafted_tokens", "accepted_tokens")}
+                if m.speculative_k
+                else None,
             ),
         )
 

@@ -1,0 +1,232 @@
+"""Speculative decoding: a cheap draft proposes ``k`` tokens, the model checks them all in one pass.
+
+Decode is sequential: each new token costs one pass over every weight. A draft guesses the next
+``k`` tokens cheaply; the model then reads ``[last, d1 .. dk]`` from the request's cache in ONE
+forward pass (a short prefill) and gets its own distributions ``p_1 .. p_{k+1}`` for all of them::
+
+    draft:    d1 .. dk (and q_1 .. q_k, what the draft sampled them from)     drafts.py
+    verify:   logits = forward([last, d1 .. dk], cache)      [k + 1, vocab]: p_1 .. p_{k+1}
+    accept:   greedy   d_i while d_i == argmax p_i; then argmax p_i
+              sampled  d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
+                       one token from norm(max(0, p_i - q_i)); every d_i accepted: a bonus from p_{k+1}
+    roll back cache.truncate(positions of last and the accepted drafts)
+
+A pass gives 1 to ``k + 1`` tokens, and the tokens have exactly the model's distribution: the
+accepted part contributes ``min(p, q)``, the rejection ``max(0, p - q)``, and they add up to ``p``
+(Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al.
+2023, "Accelerating LLM Decoding with Speculative Sampling"). A deterministic draft (prompt lookup)
+has ``q`` one-hot on its token. ``p`` and ``q`` go through the request's own processors
+(repetition penalty, temperature, top-k, top-p, min-p), each row with the drafted tokens before it
+counted as seen. If each drafted token is accepted with probability ``α``, a pass yields
+``(1 - α^(k+1)) / (1 - α)`` tokens on average.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from minillm.errors import InvalidRequestError
+from minillm.runtime import sampling
+from minillm.runtime.drafts import Draft, make_draft
+from minillm.runtime.sampling import SamplingParams
+
+#: the most tokens a draft may propose per verification pass
+MAX_SPECULATIVE_TOKENS = 16
+DRAFTS = ("ngram", "self-int8", "self-gguf", "layers:K")
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """How a request drafts: ``draft`` (``"ngram"`` | ``"self-int8"`` | ``"self-gguf"`` |
+    ``"layers:K"`` | a :class:`~minillm.runtime.drafts.Draft`), ``num_tokens`` drafted per pass
+    (1..``MAX_SPECULATIVE_TOKENS``), and for ``ngram`` the n-gram lengths tried, longest first
+    (``prompt_lookup_max`` down to ``prompt_lookup_min``).
+
+    Raises:
+        InvalidRequestError: a value out of range or an unknown draft, naming it and the choices.
+    """
+
+    draft: str | Draft = "ngram"
+    num_tokens: int = 4
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self):
+        k = self.num_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidRequestError(
+                f"num_tokens (speculative tokens per pass) must be a whole number in 1..{MAX_SPECULATIVE_TOKENS}, "
+                f"got {k!r}."
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (lo, hi)) or not 1 <= lo <= hi:
+            raise InvalidRequestError(
+                f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}."
+            )
+        if isinstance(self.draft, str):
+            layers = self.draft.removeprefix("layers:")
+            if self.draft not in DRAFTS[:3] and not (self.draft.startswith("layers:") and layers.isdigit()):
+                raise InvalidRequestError(
+                    f"unknown draft {self.draft!r}; the drafts are {', '.join(DRAFTS)} (K: the first K layers), "
+                    "or a minillm.runtime.drafts.Draft object."
+                )
+        elif not callable(getattr(self.draft, "propose", None)):
+            raise InvalidRequestError(
+                f"draft {self.draft!r} has no propose(tokens, k, choose) method; subclass minillm.runtime.drafts.Draft."
+            )
+
+    @classmethod
+    def of(cls, value) -> Speculative | None:
+        """A request's ``speculative=`` option: None (off), a draft name, a Draft, or a Speculative."""
+        if value is None or isinstance(value, Speculative):
+            return value
+        return cls(draft=value)
+
+
+# --- the acceptance rule: pure functions on distributions ------------------------------------------
+def acceptance_probability(p: np.ndarray, q: np.ndarray | None, x: int) -> float:
+    """``min(1, p(x) / q(x))``: the chance a drafted ``x`` is kept; ``q`` None: one-hot on ``x``, so ``p(x)``.
+    ``p``, ``q``: ``[vocab]`` probabilities."""
+    px, qx = float(p[x]), 1.0 if q is None else float(q[x])
+    if qx <= 0.0:  # a draft proposing what it gave no probability: the ratio is infinite (or 0 / 0)
+        return 1.0 if px > 0.0 else 0.0
+    return min(1.0, px / qx)
+
+
+def residual(p: np.ndarray, q: np.ndarray | None, x: int) -> np.ndarray:
+    """``norm(max(0, p - q))`` ``[vocab]`` float64: what a rejection samples from (``q`` None: one-hot on
+    ``x``). When ``p <= q`` everywhere (``p == q``) nothing is ever rejected; ``p`` is returned."""
+    q = np.eye(1, len(p), x, dtype=np.float64)[0] if q is None else q
+    r = np.maximum(np.asarray(p, dtype=np.float64) - q, 0.0)
+    total = r.sum()
+    return r / total if total > 0 else np.asarray(p, dtype=np.float64)
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One id from ``probs`` ``[vocab]`` by inverse CDF, as ``sampling.sample`` draws."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    u = rng.random() * cdf[-1]
+    return int(min(np.searchsorted(cdf, u, side="right"), np.flatnonzero(probs)[-1]))
+
+
+def verify(
+    p_of: Callable[[int], np.ndarray],
+    q: np.ndarray | None,
+    drafted: Sequence[int],
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """The sampled acceptance rule over ``k`` drafted ids.
+
+    Args:
+        p_of: ``i -> p_i`` ``[vocab]``, the model's distribution after the first ``i`` drafts
+            (computed only as far as needed).
+        q: ``[k, vocab]`` the draft's distributions, or None for a deterministic draft.
+        drafted: the ``k`` ids.
+
+    Returns:
+        ``(accepted, token)``: how many drafts are kept, and the token after them (resampled from
+        the residual at the first rejection, or the bonus from ``p_k``).
+    """
+    for i, x in enumerate(drafted):
+        p = p_of(i)
+        q_i = None if q is None else q[i]
+        if rng.random() >= acceptance_probability(p, q_i, x):
+            return i, draw(residual(p, q_i, x), rng)
+    return len(drafted), draw(p_of(len(drafted)), rng)
+
+
+def verify_greedy(best_of: Callable[[int], int], drafted: Sequence[int]) -> tuple[int, int]:
+    """Greedy: keep drafts while each equals the model's argmax ``best_of(i)``; then that argmax."""
+    for i, x in enumerate(drafted):
+        best = best_of(i)
+        if best != x:
+            return i, best
+    return len(drafted), best_of(len(drafted))
+
+
+def distribution(logits: np.ndarray, params: SamplingParams, seen, generated=()) -> np.ndarray:
+    """What :func:`sampling.sample` draws from: ``softmax(process_logits(...))`` as float64 ``[vocab]``;
+    ``seen``: every id so far (the repetition penalty's), ``generated``: the new ones (OpenAI's penalties')."""
+    return sampling.probabilities(sampling.process_logits(logits, params, seen, generated)).astype(np.float64)
+
+
+# --- one request's speculation ---------------------------------------------------------------------
+class SpeculativeDecoder:
+    """One request's draft and its verification step; ``request`` is a ``request.Request``.
+
+    The request pushes its tokens through :meth:`settle` after a verification forward; its
+    metrics count ``drafted_tokens``, ``accepted_tokens`` and ``verify_steps``.
+    """
+
+    def __init__(self, spec: Speculative, model, request):
+        self.spec, self.request = spec, request
+        self.draft = make_draft(spec, model, request.window)
+
+    def budget(self, limit: int | None = None) -> int:
+        """Drafts worth proposing now: at most ``num_tokens``, one fewer than the tokens still allowed,
+        and what the cache has room for (with ``last``); ``limit``: a batch step's token budget."""
+        r = self.request
+        k = min(self.spec.num_tokens, r.max_new_tokens - len(r.new_ids) - 1, r.cache.free_positions - 1)
+        return max(0, k if limit is None else min(k, limit - 1))
+
+    def propose(self, limit: int | None = None) -> tuple[list[int], np.ndarray | None]:
+        """The draft's ids (possibly none: then a plain decode step) and their ``q`` ``[k, vocab]`` or None."""
+        k = self.budget(limit)
+        if k == 0:
+            return [], None
+        ids, q = self.draft.propose(list(self.request.seen), k, self._choose)
+        ids = [int(i) for i in ids][:k]
+        vocab = self.request.model.config.vocab_size
+        if any(not 0 <= i < vocab for i in ids) or (q is not None and np.shape(q)[1:] != (vocab,)):
+            raise InvalidRequestError(
+                f"draft {self.draft!r} proposed ids {ids} / q of shape {np.shape(q)} outside the model's "
+                f"vocabulary of {vocab}; a draft must share the model's tokenizer."
+            )
+        return ids, None if q is None or not ids else np.asarray(q, dtype=np.float64)[: len(ids)]
+
+    def _choose(self, logits: np.ndarray, seen) -> tuple[int, np.ndarray | None]:
+        """How a model draft picks its token: the request's processors; greedy gives no ``q``."""
+        r = self.request
+        generated = list(seen)[len(r.prompt_ids) :]  # the ids past the prompt: OpenAI's penalties count these
+        if r.params.greedy:
+            return sampling.sample(logits, r.params, r.rng, seen_ids=seen, generated_ids=generated), None
+        q = distribution(logits, r.params, seen, generated)
+        return draw(q, r.rng), q
+
+    def accept(self, logits: np.ndarray, ids: list[int], q) -> tuple[int, int]:
+        """Apply the rule to the verification logits ``[k + 1, vocab]``."""
+        r = self.request
+        seen, new = list(r.seen), list(r.new_ids)
+        if r.params.greedy:
+            return verify_greedy(
+                lambda i: sampling.sample(logits[i], r.params, None, seen + ids[:i], generated_ids=new + ids[:i]), ids
+            )
+        return verify(lambda i: distribution(logits[i], r.params, seen + ids[:i], new + ids[:i]), q, ids, r.rng)
+
+    def settle(self, logits: np.ndarray, ids: list[int], q, step_t0: float):
+        """After the forward over ``[last, *ids]``: accept, roll the cache back, push the tokens
+        (stopping at the first stop condition); yield the text they release."""
+        r, m = self.request, self.request.metrics
+        start = r.cache.length - len(ids) - 1  # where ``last`` was written
+        n, token = self.accept(logits, ids, q)
+        r.cache.truncate(start + 1 + n)  # the rejected drafts' keys and values are forgotten
+        m.drafted_tokens += len(ids)
+        m.accepted_tokens += n
+        m.verify_steps += 1
+        run = [*ids[:n], token]
+        step_s = (time.perf_counter() - step_t0) / len(run)
+        for j, t in enumerate(run):
+            yield from r.push(t, None, step_t0, cache_length=start + 1 + j, step_s=step_s)
+            if r.stop_reason is not None:  # never past a stop: the cache holds what came before it
+                run = run[: j + 1]
+                r.cache.truncate(start + len(run))
+                break
+        if r.listener is not None:
+            r.emit_verify(drafted=ids, accepted=n, token=token, bonus=n == len(ids), kept=run, step_t0=step_t0)
+
+    def release(self) -> None:
+        self.draft.release()

@@ -1,0 +1,435 @@
+"""Speculative decoding (minillm/runtime/speculative.py, drafts.py): the target's distribution kept exactly.
+
+Where expected values come from: greedy ids from plain decoding (the same model, no draft); the
+sampled distribution in closed form from the acceptance rule's pieces (sum over accept / reject
+paths) and, through ``generate`` on a tiny random model, from the plain sampler's own
+probabilities (``sampling.process_logits`` + softmax) over every 3-token continuation; rollback
+against a cache that never saw the rejected tokens; block counts worked out by hand.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scripted import word_tokenizer_folder
+
+import minillm
+from minillm.errors import InvalidRequestError
+from minillm.model.config import ModelConfig
+from minillm.model.kv_cache import KVCache
+from minillm.model.paged_kv_cache import KVCachePool
+from minillm.model.transformer import Transformer
+from minillm.model.weights import load_weights
+from minillm.runtime import sampling
+from minillm.runtime.drafts import Draft, NgramDraft
+from minillm.runtime.loading import Model
+from minillm.runtime.speculative import (
+    Speculative,
+    acceptance_probability,
+    distribution,
+    residual,
+    verify,
+)
+from minillm.text.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["AB C DEF AB C", "G HI J KL G HI", "X Y Z X Y Z X", "DE w DE w DE", "C C C AB DEF G"]
+
+
+@pytest.fixture(scope="module")
+def word_model(tmp_path_factory) -> Model:
+    """A tiny random Llama (4 layers, seeded) over the scripted word vocabulary (108 ids)."""
+    import torch
+    import transformers
+
+    folder = word_tokenizer_folder(tmp_path_factory.mktemp("spec-model"))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=108, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharper logits than the random init's, so greedy and top-k mean something
+        hf.lm_head.weight.mul_(40.0)
+    hf.save_pretrained(folder)
+    config = ModelConfig.from_folder(folder)
+    return Model("word", folder, config, Tokenizer.from_folder(folder), Transformer(config, load_weights(folder, config)), None)
+
+
+# --- the acceptance rule, in closed form -----------------------------------------------------------
+def first_token_distribution(p: np.ndarray, q: np.ndarray | None) -> np.ndarray:
+    """Exact distribution of the token emitted at a verified position: draft x ~ q (one-hot x for a
+    deterministic draft, averaged over x ~ p's support to cover every x), kept with the acceptance
+    probability, else drawn from the residual."""
+    out = np.zeros_like(p)
+    for x in range(len(p)):
+        qx = q[x] if q is not None else 1.0
+        if qx == 0:
+            continue
+        a = acceptance_probability(p, q, x)
+        out[x] += qx * a
+        out += qx * (1 - a) * residual(p, q, x)
+    return out
+
+
+@pytest.mark.parametrize("vocab", [2, 5, 12])
+def test_acceptance_rule_keeps_p_exactly(vocab):
+    rng = np.random.default_rng(vocab)
+    for _ in range(50):
+        p = rng.dirichlet(np.ones(vocab) * 0.5)
+        q = rng.dirichlet(np.ones(vocab) * 0.5)
+        q[rng.integers(vocab)] = 0.0  # the draft rules out an id the model allows
+        q /= q.sum()
+        np.testing.assert_allclose(first_token_distribution(p, q), p, atol=1e-12)
+        for x in range(vocab):  # a deterministic draft proposing x: p(x) kept, the rest from p without x
+            one_hot = np.eye(vocab)[x]
+            exact = p[x] * one_hot + (1 - p[x]) * residual(p, None, x)
+            np.testing.assert_allclose(exact, p, atol=1e-12)
+    same = rng.dirichlet(np.ones(vocab))
+    assert acceptance_probability(same, same, 0) == 1.0  # a draft equal to the model is always kept
+
+
+def test_verify_monte_carlo_matches_p_at_every_position():
+    """The real ``verify`` over k = 3 drafts drawn from q: the first emitted token is p_0-distributed,
+    and the whole emitted run follows p (second token checked given the first kept draft)."""
+    rng = np.random.default_rng(7)
+    vocab, k, n = 4, 3, 40_000
+    p = rng.dirichlet(np.ones(vocab), size=k + 1)
+    q = rng.dirichlet(np.ones(vocab), size=k)
+    first = np.zeros(vocab)
+    for _ in range(n):
+        drafted = [int(rng.choice(vocab, p=q[i])) for i in range(k)]
+        accepted, token = verify(lambda i: p[i], q, drafted, rng)
+        first[drafted[0] if accepted else token] += 1
+    # 4 cells, 3 degrees of freedom: chi-square above 30 has probability < 1e-6 under p
+    assert chi_square(first, p[0] * n) < 30
+
+
+def chi_square(observed: np.ndarray, expected: np.ndarray) -> float:
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+# --- through generate: greedy equality, the sampled distribution -------------------------------------
+DRAFTS = ["ngram", "layers:1", "layers:3", "self-int8"]
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_greedy_speculative_equals_plain_on_five_prompts(word_model, draft):
+    for prompt in PROMPTS:
+        plain = minillm.generate(word_model, prompt, max_new_tokens=20)
+        for k in (1, 4, 8):
+            spec = minillm.generate(word_model, prompt, max_new_tokens=20, speculative=Speculative(draft, num_tokens=k))
+            assert spec.ids == plain.ids, (prompt, k)
+            assert spec.text == plain.text and spec.stop_reason == plain.stop_reason
+            m = spec.metrics
+            assert m.target_passes + m.accepted_tokens == len(spec.ids)  # each pass: its accepted + 1
+            assert m.accepted_tokens <= m.drafted_tokens
+
+
+def test_greedy_with_repetition_penalty_and_batch(word_model):
+    params = minillm.SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    plain = [minillm.generate(word_model, p, params, max_new_tokens=16).ids for p in PROMPTS]
+    for draft in ("ngram", "layers:2"):
+        spec = [minillm.generate(word_model, p, params, max_new_tokens=16, speculative=draft).ids for p in PROMPTS]
+        assert spec == plain
+        batch = minillm.generate_batch(word_model, PROMPTS, params, max_new_tokens=16, block_size=4,
+                                       speculative=Speculative(draft, num_tokens=5))  # fmt: skip
+        assert [r.ids for r in batch] == plain
+        assert sum(r.metrics.drafted_tokens for r in batch) > 0
+
+
+def exact_continuations(model: Model, prompt: str, params, n: int = 3) -> dict[tuple, float]:
+    """P(first n new tokens) under the plain sampler: every path through the top-k support."""
+    ids = model.tokenizer.encode(prompt)
+    out = {}
+
+    def walk(prefix: list[int], prob: float):
+        if len(prefix) == n:
+            out[tuple(prefix)] = prob
+            return
+        seq = [*ids, *prefix]
+        logits = model.transformer.forward(np.asarray(seq), None)[-1]
+        p = distribution(logits, params, seq)
+        for t in np.flatnonzero(p):
+            walk([*prefix, int(t)], prob * p[t])
+
+    walk([], 1.0)
+    return out
+
+
+@pytest.mark.parametrize("draft", ["ngram", "layers:2", "self-int8"])
+def test_sampled_distribution_is_the_models(word_model, draft):
+    """2,000 seeded runs of 4 tokens (one verification of 2 drafts covers tokens 2-3): the empirical
+    distribution of the first 3 tokens against the exact one, chi-square with a generous threshold
+    (tail probability about 1e-6; cells expected below 5 pooled)."""
+    params = minillm.SamplingParams(temperature=0.8, top_k=4, repetition_penalty=1.2)
+    prompt = "AB C DEF AB C DEF AB"
+    exact = exact_continuations(word_model, prompt, params)
+    n = 2000
+    counts: dict[tuple, int] = {}
+    spec = Speculative(draft, num_tokens=2)
+    drafted = 0
+    for seed in range(n):
+        r = minillm.generate(word_model, prompt, params, max_new_tokens=4, rng=np.random.default_rng(seed),
+                             speculative=spec)  # fmt: skip
+        counts[tuple(r.ids[:3])] = counts.get(tuple(r.ids[:3]), 0) + 1
+        drafted += r.metrics.drafted_tokens
+    assert drafted >= n // 4  # the runs did verify drafts (ngram: when the first token had a match)
+    assert set(counts) <= set(exact)
+    keys = sorted(exact, key=exact.get, reverse=True)
+    big = [key for key in keys if exact[key] * n >= 5]
+    observed = [counts.get(key, 0) for key in big] + [n - sum(counts.get(key, 0) for key in big)]
+    expected = [exact[key] * n for key in big] + [n - sum(exact[key] * n for key in big)]
+    if expected[-1] < 1e-9:
+        observed, expected = observed[:-1], expected[:-1]
+    dof = len(observed) - 1
+    z = 4.75  # one-sided normal quantile of about 1e-6; Wilson-Hilferty's chi-square quantile
+    threshold = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi_square(np.array(observed), np.array(expected)) < threshold
+
+
+# --- stops inside an accepted run, the draft interface --------------------------------------------------
+class Oracle(Draft):
+    """A draft that knows the plain greedy answer (so every draft is accepted)."""
+
+    def __init__(self, answer: list[int], prompt_len: int):
+        self.answer, self.prompt_len = answer, prompt_len
+
+    def propose(self, tokens, k, choose):
+        done = len(tokens) - self.prompt_len
+        return self.answer[done : done + k], None
+
+
+@pytest.mark.parametrize("options", [{}, {"stop": ["DE"]}, {"stop_token_ids": [[5]]}, {"max_new_tokens": 7}])
+def test_stops_inside_an_accepted_run(word_model, options):
+    prompt = "AB C DEF AB C"
+    options = {"max_new_tokens": 20, **options}
+    plain = minillm.generate(word_model, prompt, **options)
+    full = minillm.generate(word_model, prompt, max_new_tokens=40)
+    n = len(word_model.tokenizer.encode(prompt))
+    spec = minillm.generate(word_model, prompt, speculative=Speculative(Oracle(full.ids, n), num_tokens=8), **options)
+    assert (spec.ids, spec.text, spec.stop_reason) == (plain.ids, plain.text, plain.stop_reason)
+    m = spec.metrics
+    assert m.drafted_tokens == m.accepted_tokens  # an oracle is always right ...
+    assert m.target_passes == 1 + math.ceil((len(spec.ids) - 1) / 9)  # ... so each pass gives k + 1 = 9
+
+
+def test_eos_inside_an_accepted_run(word_model):
+    """A draft that proposes EOS where the model's argmax is EOS: the run ends there, nothing after."""
+    model = word_model
+    logits_eos = np.full(108, -5.0, dtype=np.float32)
+    prompt_ids = model.tokenizer.encode("AB C")
+
+    class EndsSoon(Draft):
+        def propose(self, tokens, k, choose):
+            return [1, 3, 3][:k], None  # EOS, then tokens that must never be emitted
+
+    real = model.transformer.forward
+
+    def forward(token_ids, cache=None, **kw):
+        out = real(token_ids, cache, **kw)
+        if len(token_ids) > 1 and cache is not None and cache.length > len(prompt_ids):  # a verification
+            out[:] = logits_eos
+            out[0, 1] = 5.0  # argmax after [last]: EOS (id 1)
+        return out
+
+    model.transformer.forward = forward
+    try:
+        r = minillm.generate(model, "AB C", max_new_tokens=10, speculative=Speculative(EndsSoon(), num_tokens=3))
+    finally:
+        del model.transformer.forward
+    assert r.ids[-1] == 1 and r.stop_reason is minillm.StopReason.EOS
+    assert r.metrics.accepted_tokens == 1 and len(r.ids) == 2  # the first token, then the accepted EOS
+
+
+def test_ngram_lookup_proposes_what_followed_the_longest_match():
+    draft = NgramDraft(min_n=1, max_n=3)
+    assert draft.propose([5, 6, 7, 8, 9, 5, 6, 7], 3)[0] == [8, 9, 5]  # "5 6 7" seen before: what came after
+    assert draft.propose([1, 2, 3, 4, 2, 9, 4, 2], 2)[0] == [9, 4]  # "4 2" (n=2) beats the later "2"
+    assert draft.propose([1, 2, 3], 4) == ([], None)  # no match: nothing proposed (a plain decode step)
+    assert NgramDraft(min_n=2, max_n=2).propose([1, 2, 3, 2], 3)[0] == []  # "3 2" never seen before
+
+
+def test_bad_speculative_arguments_name_the_value(word_model):
+    for kwargs, match in [
+        ({"num_tokens": 0}, "num_tokens .* 1..16, got 0"),
+        ({"num_tokens": 17}, "got 17"),
+        ({"draft": "eagle"}, "unknown draft 'eagle'; the drafts are ngram, self-int8, self-gguf, layers:K"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max, got 3 and 2"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=match):
+            Speculative(**kwargs)
+    for k in (0, 4):
+        with pytest.raises(InvalidRequestError, match=f"'layers:{k}'.* 4 layers, so K must be in 1..3"):
+            minillm.generate(word_model, "AB", speculative=f"layers:{k}")
+
+    class Foreign(Draft):
+        vocab_size = 50_000
+
+    with pytest.raises(InvalidRequestError, match="vocabulary of 50,000 ids but the model has 108"):
+        minillm.generate(word_model, "AB", speculative=Speculative(Foreign()))
+
+
+# --- rollback: contiguous and paged -----------------------------------------------------------------------
+def test_rollback_equals_a_cache_that_never_saw_the_rejected(tiny_llama):
+    _, model = tiny_llama
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 300, size=13)
+    rejected = rng.integers(0, 300, size=6)
+    clean = KVCache.for_model(model.config, 40)
+    model.forward(ids, clean)
+    want = model.forward(np.array([7]), clean)[0]
+    for make in (lambda: KVCache.for_model(model.config, 40), lambda: paged(model, block_size=4)):
+        cache = make()
+        model.forward(ids, cache)  # 13 positions: blocks of 4 -> 3 full + 1 slot of the 4th
+        model.forward(rejected, cache)  # 19 positions: into a 5th block, across two boundaries
+        cache.truncate(13)
+        got = model.forward(np.array([7]), cache)[0]
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def paged(model, block_size):
+    pool = KVCachePool(model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim,
+                       num_blocks=12, block_size=block_size)  # fmt: skip
+    seq = pool.sequence(40)
+    pool.grow(seq, 40)
+    return seq
+
+
+def test_paged_truncate_frees_whole_tail_blocks():
+    pool = KVCachePool(1, 1, 2, num_blocks=8, block_size=4)
+    seq = pool.sequence(32)
+    pool.allocate(seq, list(range(10)))  # 10 positions -> 3 blocks (4 + 4 + 2)
+    seq.length = 10
+    pool.grow(seq, 6)  # 16 positions -> 4 blocks
+    seq.length = 16
+    assert (len(seq.block_table), pool.num_free_blocks) == (4, 4)
+    tail = seq.block_table[2:]
+    seq.truncate(9)  # keep 0..8: blocks 0, 1 and one slot of block 2; block 3 goes back
+    assert (len(seq.block_table), pool.num_free_blocks, seq.length) == (3, 5, 9)
+    seq.truncate(8)  # exactly two blocks: block 2 goes back too
+    assert (seq.block_table, pool.num_free_blocks) == (tail[:0] or seq.block_table, 6)
+    assert len(seq.block_table) == 2 and all(pool.ref_count[b] == 0 for b in tail)
+    with pytest.raises(InvalidRequestError, match="cannot truncate a sequence of length 8 to 9"):
+        seq.truncate(9)
+
+
+def test_paged_truncate_never_writes_into_a_shared_block():
+    """Two sequences share a cached prompt block; truncating one into that block copies it first."""
+    pool = KVCachePool(1, 1, 2, num_blocks=8, block_size=4)
+    a = pool.sequence(16)
+    pool.allocate(a, [1, 2, 3, 4, 5])
+    pool.keys[:] = np.arange(pool.keys.size, dtype=np.float32).reshape(pool.keys.shape)
+    a.length = 5
+    pool.register_full_blocks(a, [1, 2, 3, 4, 5])
+    b = pool.sequence(16)
+    assert pool.allocate(b, [1, 2, 3, 4, 9]) == 4  # block 0 of a is b's too
+    shared = a.block_table[0]
+    assert pool.ref_count[shared] == 2
+    before = pool.keys[:, :, shared * 4 : shared * 4 + 4].copy()
+    b.length = 4
+    b.truncate(2)  # b keeps 2 positions of the shared block: it gets a copy of its own
+    assert b.block_table[0] != shared and pool.ref_count[shared] == 1
+    np.testing.assert_array_equal(pool.keys[:, :, b.block_table[0] * 4 :][:, :, :2], before[:, :, :2])
+    np.testing.assert_array_equal(pool.keys[:, :, shared * 4 : shared * 4 + 4], before)
+    assert pool.block_hash[shared] is not None  # a's block keeps its name in the prefix cache
+
+
+# --- the real model -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_incident_summary_with_ngram_takes_fewer_passes_than_tokens(smollm2):
+    text = (ROOT / "examples" / "incident.txt").read_text()
+    prompt = [{"role": "user", "content": text + "\n\nSummarize this incident report in two bullets."}]
+    plain = minillm.generate(smollm2, prompt, max_new_tokens=48)
+    spec = minillm.generate(smollm2, prompt, max_new_tokens=48, speculative="ngram")
+    assert spec.ids == plain.ids
+    assert plain.metrics.target_passes == len(plain.ids) == 48
+    assert spec.metrics.target_passes < len(spec.ids)
+    assert spec.metrics.target_passes + spec.metrics.accepted_tokens == 48
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["ngram", "layers:6", "self-int8"])
+def test_smollm2_greedy_equals_plain(smollm2, draft):
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,", "Once upon a time",
+               [{"role": "user", "content": "List three colors."}]]  # fmt: skip
+    for prompt in prompts:
+        plain = minillm.generate(smollm2, prompt, max_new_tokens=16)
+        spec = minillm.generate(smollm2, prompt, max_new_tokens=16, speculative=Speculative(draft, num_tokens=4))
+        assert spec.ids == plain.ids, prompt
+
+
+# --- the server: a body field and a server default ------------------------------------------------------------
+def test_server_speculative_body_field_and_default(word_model):
+    from fastapi.testclient import TestClient
+
+    from minillm.serve.app import create_app
+    from minillm.serve.metrics import ServerMetrics
+    from minillm.serve.worker import Worker
+
+    plain = minillm.generate(word_model, PROMPTS[0], max_new_tokens=12)
+    worker = Worker(str(word_model.path), metrics=ServerMetrics(), warmup=False, verbosity="quiet",
+                    kv_cache_mib=1, block_size=4, speculative=Speculative("layers:2", num_tokens=3))  # fmt: skip
+    with TestClient(create_app(worker, "word")) as client:
+        for _ in range(600):
+            if client.get("/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        body = {"model": "word", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+        for extra in ({}, {"speculative": "ngram", "num_speculative_tokens": 5}):
+            out = client.post("/v1/completions", json={**body, **extra}).json()
+            assert out["choices"][0]["text"] == plain.text
+            usage = out["usage"]
+            assert usage["target_passes"] + usage["accepted_tokens"] == 12 and usage["drafted_tokens"] > 0
+        off = client.post("/v1/completions", json={**body, "speculative": "off"}).json()["usage"]
+        assert off["target_passes"] is None and off["completion_tokens"] == 12
+        bad = client.post("/v1/completions", json={**body, "speculative": "layers:9"})
+        assert bad.status_code == 400 and "K must be in 1..3" in bad.json()["error"]["message"]
+
+
+def test_trace_shows_each_verification_and_the_summary_rates(word_model):
+    import io
+
+    from rich.console import Console
+
+    from minillm.observe.events import Tracer
+
+    out = io.StringIO()
+    tracer = Tracer(Console(file=out, width=160), verbosity="full", live=False)
+    r = minillm.generate(word_model, PROMPTS[2], max_new_tokens=16, tracer=tracer, speculative="ngram")
+    verifies = [e.data for e in tracer.events if e.phase == "verify"]
+    m = r.metrics
+    assert len(verifies) == m.verify_steps > 0
+    assert sum(v["accepted"] for v in verifies) == m.accepted_tokens
+    assert sum(len(v["drafted"]) for v in verifies) == m.drafted_tokens
+    assert verifies[-1]["acceptance_rate"] == m.accepted_tokens / m.drafted_tokens
+    summary = next(e.data for e in tracer.events if e.phase == "summary")
+    assert summary["tokens_per_pass"] == len(r.ids) / m.target_passes
+    text = out.getvalue()
+    assert text.count("  verify  ") == m.verify_steps
+    assert f"{m.accepted_tokens}/{m.drafted_tokens} drafts kept" in text and "formula" in text
+
+
+def test_cli_and_serve_flags_parse():
+    from minillm.cli import build_parser
+
+    args = build_parser().parse_args(["run", "hi", "--speculative", "layers:3", "--num-speculative-tokens", "6"])
+    assert (args.speculative, args.num_speculative_tokens) == ("layers:3", 6)
+    args = build_parser().parse_args(["serve", "m", "--speculative", "ngram"])
+    assert (args.speculative, args.num_speculative_tokens) == ("ngram", 4)
+
+
+@pytest.mark.slow
+def test_a_draft_equal_to_the_model_accepts_everything(smollm2):
+    """SmolLM2's float32 weights are dequantized from its Q4_1 GGUF, so the self-gguf draft computes the
+    model's own logits (another product order): every draft is kept, one pass per k + 1 tokens."""
+    plain = minillm.generate(smollm2, "The capital of France is", max_new_tokens=21)
+    spec = minillm.generate(smollm2, "The capital of France is", max_new_tokens=21,
+                            speculative=Speculative("self-gguf", num_tokens=4))  # fmt: skip
+    assert spec.ids == plain.ids
+    m = spec.metrics
+    assert (m.drafted_tokens, m.accepted_tokens, m.target_passes) == (16, 16, 1 + 20 // 5)
