@@ -32,12 +32,8 @@ import minillm
 from minillm.runtime.loading import run_warmup
 from minillm.runtime.scheduler import BatchRequest, Scheduler
 
+from . import logprobs as lp
 from .metrics import ServerMetrics
-
-# How the trace shows whitespace in a piece ('␣capital'); undone to give a token's text back.
-_INVISIBLE = str.maketrans({"␣": " ", "↵": "\n", "⇥": "\t", "␍": "\r"})
-# OpenAI's stand-in for "too unlikely to list" (the trace keeps only the top 5 candidates).
-UNKNOWN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -92,6 +88,7 @@ class Active:
     tracer: minillm.Tracer
     wait: float
     sent: int = 0  # deltas of request.deltas already sent
+    recorder: lp.LogprobRecorder | None = None  # the sampler's numbers, when logprobs were asked for
 
 
 class Worker:
@@ -158,37 +155,48 @@ class Worker:
         metrics.bind(self)
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the worker thread: load (and warm up) the model, then serve the queue."""
-        threading.Thread(target=self._run, name="minillm-worker", daemon=True).start()
+    def start(self, model: minillm.Model | None = None) -> None:
+        """Start the worker thread: load (and warm up) the model, then serve the queue. ``model``:
+        serve this loaded model instead of loading ``model_name`` (tests, in one process)."""
+        threading.Thread(target=self._run, args=(model,), name="minillm-worker", daemon=True).start()
 
-    def _run(self) -> None:
+    def _run(self, model: minillm.Model | None = None) -> None:
         self.status = "loading"
         if self.startup_delay_s > 0:
             time.sleep(self.startup_delay_s)  # on purpose (--startup-delay); /health says so
         try:
             tracer = self._tracer()
-            self.model = minillm.load(
-                self.model_name, tracer=tracer, warmup=False, threads=self.threads, progress=False
-            )
-            self.pool = minillm.KVCachePool.for_model(self.model.config, self.kv_cache_mib, self.block_size)
-            if self.warmup:  # through the pool requests will use: its memory is mapped on first write
-                run_warmup(self.model, tracer=tracer, pool=self.pool)
+            if model is None:
+                model = minillm.load(self.model_name, tracer=tracer, warmup=False, threads=self.threads, progress=False)
+            self.attach(model, tracer)
         except Exception as exc:  # noqa: BLE001 - reported by /health (503) rather than killing the server
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
             return
+        while True:
+            self.serve_once(block=not self.scheduler.has_work())
+
+    def attach(self, model: minillm.Model, tracer=None) -> None:
+        """Serve ``model``: build the pool and the scheduler (warming up through the pool if asked);
+        ``status`` becomes "ready". The thread calls it after loading; tests call it directly."""
+        self.model = model
+        self.pool = minillm.KVCachePool.for_model(model.config, self.kv_cache_mib, self.block_size)
+        if self.warmup:  # through the pool requests will use: its memory is mapped on first write
+            run_warmup(model, tracer=tracer, pool=self.pool)
         self.scheduler = Scheduler(
-            self.model, self.pool, max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs
+            model, self.pool, max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs
         )
         self.status = "ready"
-        while True:
-            self._take_jobs(block=not self.scheduler.has_work())
-            if self.scheduler.has_work():
-                try:
-                    self.scheduler.step()
-                except Exception as exc:  # noqa: BLE001 - a bug: answer every client, keep the worker alive
-                    self._fail_all(exc)
-                self._publish()
+
+    def serve_once(self, block: bool = False) -> None:
+        """Move queued jobs into the batch (waiting for one if ``block``), run one step, send what
+        it made. The worker thread calls it in a loop; tests call it to step the worker by hand."""
+        self._take_jobs(block=block)
+        if self.scheduler.has_work():
+            try:
+                self.scheduler.step()
+            except Exception as exc:  # noqa: BLE001 - a bug: answer every client, keep the worker alive
+                self._fail_all(exc)
+            self._publish()
 
     @property
     def running(self) -> int:
@@ -211,7 +219,7 @@ class Worker:
         return sum(r.seq.used_bytes for r in self.scheduler.running) if self.scheduler is not None else 0
 
     def submit(self, job: Job) -> None:
-        """Queue a job (arrival order). Raises QueueFullError when ``max_queue`` jobs already wait."""
+        """Queue a job (arrival order). Raises QueueFullError when ``max_queue`` jobs already wait"""
         try:
             if self.waiting >= self.max_queue:
                 raise queue.Full
@@ -250,6 +258,7 @@ class Worker:
         tracer = self._tracer()
         if tracer.console is not None:
             tracer.console.rule(f"request {job.request_id}  (waited {wait * 1e3:.1f} ms in the queue)")
+        recorder = lp.LogprobRecorder() if job.top_logprobs is not None else None
         try:
             n_prompt = len(minillm.tokenize(self.model, job.prompt, chat=job.chat))
             max_new = job.max_tokens or max(1, self.context - n_prompt)  # OpenAI's default: up to the context
@@ -264,7 +273,7 @@ class Worker:
                 index=next(self._indices),
                 max_new_tokens=max_new,
                 chat=job.chat,
-                listener=tracer,
+                listener=tracer if recorder is None else lp.Listeners(tracer, recorder),
                 max_seq_len=max(1, min(self.context, n_prompt + max_new)),
                 stop=job.stop,
                 timeout_s=timeout,
@@ -275,7 +284,7 @@ class Worker:
             self._remember(job, None, wait, tracer.events, note=f"{type(exc).__name__}: {exc}")
             job.send("error", exc)
             return
-        self.active[request.index] = Active(job, request, tracer, wait)
+        self.active[request.index] = Active(job, request, tracer, wait, recorder=recorder)
 
     def _publish(self) -> None:
         """Send each request's new text; answer the ones that finished."""
@@ -308,7 +317,10 @@ class Worker:
         self.metrics.prompt_tokens.inc(len(result.prompt_ids))
         self.metrics.generation_tokens.inc(len(result.ids))
         self.metrics.finished.labels(reason=result.stop_reason.value).inc()
-        logprobs = self._logprobs(result, tracer.events, job.top_logprobs) if job.top_logprobs is not None else None
+        logprobs = None
+        if a.recorder is not None:  # an EOS id ends the text and has no entry
+            ids = result.ids[:-1] if result.stop_reason is minillm.StopReason.EOS else result.ids
+            logprobs = lp.content(self.model.tokenizer, a.recorder.steps, ids, job.top_logprobs)
         self._remember(job, result.stop_reason, wait, tracer.events)
         job.send(
             "done",
@@ -343,51 +355,9 @@ class Worker:
         with self._lock:
             return self.traces.get(request_id)
 
-    # --- logprobs from the trace ---------------------------------------------------------------
-    def _logprobs(self, result, events: list, top: int) -> list[dict]:
-        """One entry per output token, read from the trace's prefill and decode events.
-
-        The trace records, for every step, the chosen token's probability and the top 5
-        candidates, in the distribution ``sample`` draws from (after temperature, top-k, top-p,
-        min-p and the repetition penalty; at temperature 0, the distribution at temperature 1).
-        The first token's probability comes from the prefill candidates; if it is not among
-        them (a sampled rarity), its logprob is UNKNOWN_LOGPROB.
-        """
-        tok = self.model.tokenizer
-        prefill = next((e for e in events if e.phase == "prefill"), None)
-        decodes = [e for e in events if e.phase == "decode"]
-        ids = [i for i in result.ids if not (result.stop_reason is minillm.StopReason.EOS and i == result.ids[-1])]
-        entries = []
-        for n, token_id in enumerate(ids):
-            if n == 0:
-                cands = prefill.data["candidates"] if prefill else []
-                prob = dict(cands).get(tok.piece_for_display(token_id))
-            else:
-                data = decodes[n - 1].data
-                cands, prob = data["candidates"], data["prob"]
-            text = minillm.detokenize(self.model, [token_id], skip_special_tokens=False)
-            entries.append(
-                {
-                    "token": text,
-                    "logprob": _log(prob),
-                    "bytes": list(text.encode("utf-8")),
-                    "top_logprobs": [_candidate(piece, q) for piece, q in cands[:top]],
-                }
-            )
-        return entries
-
     def next_id(self, prefix: str) -> str:
         """A request id unique in this process, e.g. ``chatcmpl-1a2b3c4d-0007``."""
         return f"{prefix}-{self.metrics.instance}-{next(self._ids):04d}"
-
-
-def _log(prob: float | None) -> float:
-    return math.log(prob) if prob else UNKNOWN_LOGPROB
-
-
-def _candidate(piece: str, prob: float) -> dict:
-    text = piece.translate(_INVISIBLE)
-    return {"token": text, "logprob": _log(prob), "bytes": list(text.encode("utf-8"))}
 
 
 def _event_dict(event) -> dict:
