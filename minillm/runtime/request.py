@@ -42,6 +42,7 @@ class RequestMetrics:
     kv_bytes_reserved: int = 0
     cached_prompt_tokens: int = 0  # prompt positions reused from a paged pool's prefix cache (batching)
     preemptions: int = 0  # times the batch scheduler took this request's blocks back to recompute later
+    prompt_tokens_computed: int = 0  # prompt positions the batch scheduler fed (cache hits not; recomputed again)
 
     @property
     def prefill_tokens_per_s(self) -> float:

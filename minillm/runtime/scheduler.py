@@ -174,7 +174,8 @@ class Scheduler:
             ]
             logits = self.model.transformer.forward_batch(chunks)  # [requests, vocab]: each one's last row
             forward_s = time.perf_counter() - t0
-            for (request, _), row in zip(rows, logits, strict=True):
+            for (request, n), start, row in zip(rows, starts, logits, strict=True):
+                request.metrics.prompt_tokens_computed += max(0, min(start + n, len(request.prompt_ids)) - start)
                 self.pool.register_full_blocks(request.seq, request.seen)
                 if not request.new_ids:
                     request.metrics.prefill_s += forward_s

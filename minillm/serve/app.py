@@ -152,7 +152,6 @@ def create_app(worker: Worker, served_model: str) -> FastAPI:
         try:
             worker.submit(job)
         except QueueFullError as exc:
-            worker.metrics.rejected.inc()
             raise APIError(
                 429,
                 f"server busy: {exc}; retry after {RETRY_AFTER_S} s",

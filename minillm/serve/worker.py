@@ -219,12 +219,14 @@ class Worker:
         return sum(r.seq.used_bytes for r in self.scheduler.running) if self.scheduler is not None else 0
 
     def submit(self, job: Job) -> None:
-        """Queue a job (arrival order). Raises QueueFullError when ``max_queue`` jobs already wait"""
+        """Queue a job (arrival order). Raises QueueFullError when ``max_queue`` jobs already wait
+        (counted in ``metrics.rejected``)."""
         try:
             if self.waiting >= self.max_queue:
                 raise queue.Full
             self.queue.put_nowait(job)
         except queue.Full:
+            self.metrics.rejected.inc()  # its final state: refused before any work
             raise QueueFullError(f"{self.queue.maxsize} requests are already waiting") from None
 
     @property
@@ -253,6 +255,7 @@ class Worker:
         self.metrics.queue_wait.observe(wait)
         if job.cancel.is_set():  # the client left while the request waited: no work at all
             self._remember(job, minillm.StopReason.CANCELLED, wait, [], note="client left while queued")
+            self.metrics.finished.labels(reason=minillm.StopReason.CANCELLED.value).inc()  # no token processed
             job.send("done", Outcome("", 0, 0, minillm.StopReason.CANCELLED, wait, None, None))
             return
         tracer = self._tracer()
@@ -282,6 +285,7 @@ class Worker:
             self.scheduler.add(request)  # refuses a request the pool could never hold (400)
         except minillm.MiniLLMError as exc:  # a request the runtime refuses: the client gets a 400
             self._remember(job, None, wait, tracer.events, note=f"{type(exc).__name__}: {exc}")
+            self.metrics.finished.labels(reason="refused").inc()
             job.send("error", exc)
             return
         self.active[request.index] = Active(job, request, tracer, wait, recorder=recorder)
@@ -300,6 +304,8 @@ class Worker:
         for index, a in list(self.active.items()):
             del self.active[index]
             a.request.seq.reset()
+            self._count_tokens(a.request)
+            self.metrics.finished.labels(reason="error").inc()
             self._remember(a.job, None, a.wait, a.tracer.events, note=f"internal error {type(exc).__name__}: {exc}")
             a.job.send("error", exc)
         self.scheduler.running.clear()
@@ -314,8 +320,7 @@ class Worker:
         for step in m.decode_step_s:
             self.metrics.tpot.observe(step)
         self.metrics.e2e.observe(time.perf_counter() - job.arrival)
-        self.metrics.prompt_tokens.inc(len(result.prompt_ids))
-        self.metrics.generation_tokens.inc(len(result.ids))
+        self._count_tokens(a.request)
         self.metrics.finished.labels(reason=result.stop_reason.value).inc()
         logprobs = None
         if a.recorder is not None:  # an EOS id ends the text and has no entry
@@ -335,6 +340,12 @@ class Worker:
                 m.cached_prompt_tokens,
             ),
         )
+
+    def _count_tokens(self, request: BatchRequest) -> None:
+        """Count the prompt tokens the model computed (prefix-cache hits and a request that never
+        ran: none) and the tokens it sampled."""
+        self.metrics.prompt_tokens.inc(request.metrics.prompt_tokens_computed)
+        self.metrics.generation_tokens.inc(len(request.new_ids))
 
     def _remember(self, job: Job, reason, wait: float, events: list, note: str | None = None) -> None:
         """Keep the request's trace for GET /v1/traces/{id} (the newest ``keep_traces`` only)."""
