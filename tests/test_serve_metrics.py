@@ -84,7 +84,8 @@ def test_cancelled_while_running_counts_what_it_processed(smollm2):
     finish(worker)
     outcome = j.channel.end[1]
     assert outcome.stop_reason is minillm.StopReason.CANCELLED and outcome.completion_tokens == 3
-    assert counts(worker) == {"finished": {"cancelled": 1.0}, "rejected": 0, "prompt": n_prompt(smollm2), "generated": 3}
+    expected = {"finished": {"cancelled": 1.0}, "rejected": 0, "prompt": n_prompt(smollm2), "generated": 3}
+    assert counts(worker) == expected
 
 
 def test_timed_out_in_the_queue_processed_nothing(smollm2):
