@@ -179,6 +179,7 @@ def test_max_queue_lets_exactly_n_wait_and_refuses_the_next_with_429(model):
                     await asyncio.sleep(0)
                     if task.done() or worker.queue.qsize() > queued:
                         return task
+                task.cancel()
                 raise AssertionError("the request neither queued nor was answered")
 
             queued = 0
@@ -193,7 +194,9 @@ def test_max_queue_lets_exactly_n_wait_and_refuses_the_next_with_429(model):
                     worker.serve_once()  # moves it into the scheduler's queue: it still waits
             assert (worker.running, worker.waiting) == (1, 3)
             queued = worker.queue.qsize()
-            refused = await http.post(path, json=body)
+            refused = await post()
+            assert refused.done(), "a fourth request was queued beside three waiting ones"
+            refused = refused.result()
             assert worker.waiting == 3
             for _ in range(10):  # the first request's last tokens
                 if first.done():
