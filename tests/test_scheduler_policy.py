@@ -86,20 +86,20 @@ def test_a_fixed_workload_feeds_exactly_these_rows_in_exactly_ten_steps(tiny):
 
 def test_a_pool_sized_for_every_request_never_preempts(tiny):
     """generate_batch's default pool: for each request ceil((prompt + new - 1) / block) blocks.
-    Blocks of 4, 4 new tokens each: prompts of 5, 9, 1 and 2 tokens need 8, 12, 4 and 5 positions
-    = 2, 3, 1 and 2 blocks (the first three's last block exactly full, the fourth's holding one
-    position): 8. Everyone is admitted in step 1 (7 blocks for the prompts), all four feed their
-    last position in step 4 with every block in use, and no one is preempted: with the default
-    pool and with a pool of exactly those 8 blocks."""
-    prompts = [words(10, 5), words(40, 9), words(80, 1), words(90, 2)]
+    Blocks of 4, 4 new tokens each: prompts of 5, 9, 1 and 3 tokens need 8, 12, 4 and 6 positions
+    = 2, 3, 1 and 2 blocks (the first three's last block exactly full, the fourth's half): 8.
+    Everyone is admitted in step 1 (7 blocks for the prompts); the fourth takes its second block in
+    step 3, so all 8 are in use when all four feed their last position in step 4, and no one is
+    preempted: with the default pool and with a pool of exactly those 8 blocks."""
+    prompts = [words(10, 5), words(40, 9), words(80, 1), words(90, 3)]
     for pool in (None, KVCachePool(3, 2, 8, num_blocks=8, block_size=4)):
         tracer = minillm.Tracer()
         results = minillm.generate_batch(tiny, prompts, max_new_tokens=4, block_size=4, pool=pool, tracer=tracer)
         steps = steps_of(tracer)
         assert steps[0]["blocks_total"] == 8
         assert steps[0]["admitted"] == {0: 0, 1: 0, 2: 0, 3: 0} and steps[0]["waiting"] == []
-        assert rows_of(steps) == [[(0, 5), (1, 9), (2, 1), (3, 2)]] + [[(0, 1), (1, 1), (2, 1), (3, 1)]] * 3
-        assert [s["blocks_used"] for s in steps] == [7, 7, 7, 0]  # after step 4 all four have ended
+        assert rows_of(steps) == [[(0, 5), (1, 9), (2, 1), (3, 3)]] + [[(0, 1), (1, 1), (2, 1), (3, 1)]] * 3
+        assert [s["blocks_used"] for s in steps] == [7, 7, 8, 0]  # after step 4 all four have ended
         assert [s["preempted"] for s in steps] == [[], [], [], []]
         assert [r.metrics.preemptions for r in results] == [0, 0, 0, 0]
         assert [r.metrics.new_tokens for r in results] == [4, 4, 4, 4]
