@@ -30,3 +30,52 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: the memory is still free for this process
         pass
+
+
+class Inbox:
+    """Stands in for a job's event loop and channel in worker tests without HTTP: what the worker
+    sends lands in ``items`` at once, as ``(kind, value)``."""
+
+    def __init__(self):
+        self.items: list[tuple[str, object]] = []
+
+    def call_soon_threadsafe(self, callback, *args) -> None:
+        callback(*args)
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+
+    @property
+    def end(self):
+        """The last item: ``("done", Outcome)`` or ``("error", exc)`` once the request ended."""
+        return self.items[-1] if self.items and self.items[-1][0] in ("done", "error") else None
+
+
+def stepped_worker(model, **options):
+    """A server's Worker serving ``model`` in this thread, no HTTP and no worker thread: submit jobs,
+    then call ``worker.serve_once()`` to run one step (``finish`` runs until nothing is left)."""
+    from minillm.serve.metrics import ServerMetrics
+    from minillm.serve.worker import Worker
+
+    worker = Worker("test", metrics=ServerMetrics(), warmup=False, **{"kv_cache_mib": 16.0, **options})
+    worker.attach(model)
+    return worker
+
+
+def job(prompt, *, chat=False, max_tokens=8, stop=None, top_logprobs=None, params=None, request_id="r"):
+    """A worker Job whose answers land in its ``Inbox`` (``job.channel``)."""
+    import minillm
+    from minillm.serve.worker import Job
+
+    box = Inbox()
+    params = params or minillm.SamplingParams(temperature=0.0)
+    return Job(request_id, prompt, chat, params, max_tokens, stop, top_logprobs, box, box)
+
+
+def finish(worker, max_steps: int = 10_000) -> None:
+    """Step ``worker`` until its queue and its scheduler are empty."""
+    for _ in range(max_steps):
+        if worker.queue.empty() and not worker.scheduler.has_work():
+            return
+        worker.serve_once()
+    raise AssertionError(f"the worker still had work after {max_steps} steps")

@@ -116,3 +116,39 @@ def ids_of(tokenizer: Tokenizer, *pieces: str) -> list[int]:
     out = [tokenizer.backend.token_to_id(p) for p in pieces]
     assert None not in out, pieces
     return out
+
+
+class ChainTransformer:
+    """A batched stand-in for the scheduler (``forward_batch``): the next id depends only on the
+    last id fed, ``chain[last]`` (else ``filler``), so requests batched, chunked or preempted
+    all get the same answer. Writes nothing; advances each sequence like the real one."""
+
+    masks = Transformer.masks
+
+    def __init__(self, config: ModelConfig, chain: dict[int, int], filler: int):
+        self.config, self.chain, self.filler = config, dict(chain), filler
+        self.weights = SimpleNamespace(num_parameters=0, layers=[], weight_dtype="float32")  # kv_identity reads these
+        self.layer_types = [config.layer_type(i) for i in range(config.num_hidden_layers)]
+
+    def forward_batch(self, chunks, *, all_logits: bool = False) -> np.ndarray:
+        rows = []
+        for ids, seq in chunks:
+            seq.check_room(len(ids))
+            seq.advance(len(ids))
+            row = np.full(self.config.vocab_size, -10.0, dtype=np.float32)
+            row[self.chain.get(int(ids[-1]), self.filler)] = 10.0
+            rows.append(row)
+        return np.stack(rows)  # [requests, vocab]: each one's last row
+
+
+def chain_model(tokenizer: Tokenizer, pieces: list[str], end: int | None = None, *, filler: str = "w",
+                context: int = 256) -> Model:
+    """A Model whose greedy answer after ``pieces[0]`` is ``pieces[1:]``, then ``end`` (an id, e.g.
+    an EOS), then ``filler`` forever."""
+    ids = ids_of(tokenizer, *pieces, filler)
+    chain = dict(zip(ids[:-2], ids[1:-1], strict=True))
+    if end is not None:
+        chain[ids[-2]] = end
+    model = scripted_model(tokenizer, [], context=context)
+    model.transformer = ChainTransformer(model.config, chain, ids[-1])
+    return model

@@ -337,3 +337,14 @@ def test_calls_per_layer_is_what_a_decode_step_makes(smollm2):
         sys.setprofile(None)
     per_layer = len(calls) / c.num_hidden_layers
     assert 0.7 * calibrate.CALLS_PER_LAYER <= per_layer <= 1.3 * calibrate.CALLS_PER_LAYER, per_layer
+
+
+def test_contention_rule_at_its_exact_boundaries():
+    # busy + threads > cores is the rule: 8 cores, 4 threads, 4.0 busy cores fit exactly
+    assert contention(0.49, 4, cores=8) is None
+    assert contention(0.5, 4, cores=8) is None  # 4.0 + 4 == 8: no thread waits
+    assert contention(0.5 + 1 / 64, 4, cores=8) == 3  # 4.125 busy: 8 - ceil(4.125) = 3 threads fit
+    assert [contention(s, 4, cores=8) for s in (0.625, 0.75, 0.875, 1.0)] == [3, 2, 1, 1]
+    # and at least half a core busy elsewhere: 4 threads on 4 cores
+    assert contention(0.124, 4, cores=4) is None  # 0.496 cores: not a neighbour
+    assert contention(0.125, 4, cores=4) == 3  # 0.5 cores: 4 - 1 = 3

@@ -234,3 +234,29 @@ def test_forward_batch_rows_equal_each_sequence_alone_and_transformers(family, d
     got = model.forward_batch(chunks, all_logits=True)
     np.testing.assert_allclose(got, np.concatenate(expected_alone), atol=1e-5, rtol=0)
     assert np.abs(got - np.concatenate(expected_hf)).max() < 1e-4
+
+
+def test_releasing_a_block_another_sequence_holds_keeps_it_alive():
+    pool = small_pool(num_blocks=6, block_size=4)
+    a, _ = computed(pool, list(range(10)))  # blocks 0, 1 (full), 2 (partial)
+    b, cached = computed(pool, [*range(8), 50, 51])  # shares 0 and 1, its own block 3
+    assert cached == 8 and b.block_table == [0, 1, 3]
+    pool.release(a)
+    assert pool.ref_count[:4] == [1, 1, 0, 1]
+    assert list(pool.free_blocks) == [4, 5, 2]  # only a's own block joined the free list
+    fresh, _ = computed(pool, list(range(100, 112)))  # takes every free block: never 0, 1 or 3
+    assert fresh.block_table == [4, 5, 2] and pool.num_free_blocks == 0
+    assert pool.cached_prefix([*range(8), 99]) == [0, 1]  # b's prefix still named and held
+
+
+def test_a_cached_prefix_in_the_free_list_is_taken_back_not_handed_out_twice():
+    pool = small_pool(num_blocks=3, block_size=4)
+    a, _ = computed(pool, list(range(10)))  # every block: 0, 1 full, 2 partial
+    pool.release(a)
+    assert pool.num_free_blocks == 3 and pool.can_allocate(list(range(10)))
+    again, cached = computed(pool, list(range(10)))
+    assert cached == 8 and again.block_table == [0, 1, 2]
+    assert pool.num_free_blocks == 0 and pool.ref_count == [1, 1, 1]
+    assert not pool.can_allocate([77] * 4)  # the reused blocks left the free list
+    with pytest.raises(KVCacheFullError):
+        pool.allocate(pool.sequence(100), [77] * 4)

@@ -149,10 +149,47 @@ def test_greedy_stream_equals_nonstream_equals_in_process(client, model, chat, p
     assert full.usage.completion_tokens == len(expected.ids)
     assert chunks[-1].usage.prompt_tokens == n_prompt  # the include_usage chunk, last, no choices
     assert chunks[-1].usage.completion_tokens == len(expected.ids) and chunks[-1].choices == []
+    assert full.usage.total_tokens == chunks[-1].usage.total_tokens == n_prompt + len(expected.ids)
     reasons = {"eos": "stop", "stop string": "stop", "max new tokens": "length"}
     assert finish == reasons[expected.stop_reason.value]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish]
     if stop is not None and expected.stop_reason is minillm.StopReason.STOP_STRING:
         assert all(s not in text for s in ([stop] if isinstance(stop, str) else stop))
+
+
+STOP_KINDS = [  # (max_tokens, stop) for the chat "Say hi.": SmolLM2's greedy answer ends on ...
+    (30, None),  # its EOS ("Hello there! I'm here to help ... What can I help you with?", 24 ids)
+    (5, None),  # max_tokens
+    (30, ["!"]),  # the stop string, after "Hello there"
+]
+
+
+def test_streamed_finish_reason_equals_the_unstreamed_one_for_every_stop_kind(client, model):
+    """Through the real server: for an EOS, max_tokens and a stop string, the streamed chunk that
+    ends the answer carries the non-streamed finish_reason and minillm_stop_reason, and both
+    usages count the same tokens, total = prompt + completion."""
+    messages = [{"role": "user", "content": "Say hi."}]
+    n_prompt = len(minillm.tokenize(model, messages))
+    kinds = []
+    for n, stop in STOP_KINDS:
+        expected = minillm.generate(model, messages, minillm.SamplingParams(temperature=0), max_new_tokens=n, stop=stop)
+        kinds.append(expected.stop_reason.value)
+        common = {"model": MODEL, "messages": messages, "max_tokens": n, "temperature": 0, "stop": stop}
+        full = client.chat.completions.create(**common)
+        chunks = list(client.chat.completions.create(**common, stream=True, stream_options={"include_usage": True}))
+        whole = full.choices[0]
+        ends = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+        assert [(e.finish_reason, e.minillm_stop_reason) for e in ends] == [
+            (whole.finish_reason, whole.minillm_stop_reason)
+        ]
+        assert whole.minillm_stop_reason == expected.stop_reason.value and whole.message.content == expected.text
+        assert full.usage.prompt_tokens == n_prompt and full.usage.completion_tokens == len(expected.ids)
+        assert full.usage.total_tokens == n_prompt + len(expected.ids)
+        usage = chunks[-1].usage  # its prompt_tokens_details differ: the second request finds cached blocks
+        assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+            full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens
+        )
+    assert kinds == ["eos", "max new tokens", "stop string"]
 
 
 def test_a_stop_string_case_really_stops(client, model):

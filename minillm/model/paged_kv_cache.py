@@ -16,7 +16,11 @@ array a contiguous cache would hold: the logits are the same (tested to 1e-5; in
 
 **Prefix caching.** A *full* block is named by a hash chained over its token ids: ``hash(block j)
 = H(hash(block j-1), ids in block j)``, so equal hashes mean equal tokens at equal positions from
-the very start (keys depend on everything before them). A new sequence whose prompt starts with
+the very start (keys depend on everything before them). The chain starts from the sequence's
+``identity`` (``hash(block -1)``): bytes naming everything else its keys and values depend on
+(the model, its weights' precision, the active LoRA adapters and their scales, ...; the runtime's
+``kv_identity``), as vLLM mixes a LoRA id into the first block's hash. Sequences of different
+identities never share a block, even in one pool. A new sequence whose prompt starts with
 blocks already in the pool reuses them: their reference count goes up, no keys are recomputed.
 A block whose count falls to 0 stays in the pool, findable by its hash, until a new block is
 needed: the free list hands out the least recently freed block first (LRU eviction).
@@ -115,53 +119,58 @@ class KVCachePool:
         """Blocks needed to hold ``positions`` positions: ``ceil(positions / block_size)``."""
         return -(-positions // self.block_size)
 
-    def sequence(self, max_seq_len: int) -> PagedSequence:
-        """A new, empty sequence of at most ``max_seq_len`` positions, holding no block yet."""
-        return PagedSequence(self, max_seq_len)
+    def sequence(self, max_seq_len: int, identity: bytes = b"") -> PagedSequence:
+        """A new, empty sequence of at most ``max_seq_len`` positions, holding no block yet; its
+        blocks are named under ``identity`` (see :meth:`block_hashes`)."""
+        return PagedSequence(self, max_seq_len, identity)
 
     # --- prefix caching ------------------------------------------------------------------------------
-    def block_hashes(self, token_ids, n_blocks: int | None = None) -> list[bytes]:
+    def block_hashes(self, token_ids, n_blocks: int | None = None, identity: bytes = b"") -> list[bytes]:
         """Chained hashes of the first ``n_blocks`` full blocks of ``token_ids`` (default: all full
-        blocks): ``h_j = blake2b(h_{j-1} || ids of block j as int64)``, ``h_{-1}`` empty."""
+        blocks): ``h_j = blake2b(h_{j-1} || ids of block j as int64)``, ``h_{-1} = identity``
+        (bytes naming what else the keys and values depend on; empty by default)."""
         bs = self.block_size
         n = len(token_ids) // bs if n_blocks is None else n_blocks
         ids = np.asarray(token_ids[: n * bs], dtype=np.int64)
-        hashes, prev = [], b""
+        hashes, prev = [], identity
         for j in range(n):
             prev = hashlib.blake2b(prev + ids[j * bs : (j + 1) * bs].tobytes(), digest_size=16).digest()
             hashes.append(prev)
         return hashes
 
-    def cached_prefix(self, token_ids) -> list[int]:
-        """The blocks holding the longest cached prefix of ``token_ids``, in order. At least the last
-        token is left out, so a sequence always computes one position (its logits are needed)."""
+    def cached_prefix(self, token_ids, identity: bytes = b"") -> list[int]:
+        """The blocks holding the longest cached prefix of ``token_ids`` computed under ``identity``,
+        in order. At least the last token is left out, so a sequence always computes one position
+        (its logits are needed)."""
         found = []
-        for h in self.block_hashes(token_ids, (len(token_ids) - 1) // self.block_size):
+        for h in self.block_hashes(token_ids, (len(token_ids) - 1) // self.block_size, identity):
             block = self.cached.get(h)
             if block is None:
                 break
             found.append(block)
         return found
 
-    def can_allocate(self, token_ids) -> bool:
-        """True if the pool can hold every position of ``token_ids`` now (cached prefix reused)."""
-        prefix = self.cached_prefix(token_ids)
+    def can_allocate(self, token_ids, identity: bytes = b"") -> bool:
+        """True if the pool can hold every position of ``token_ids`` now (the cached prefix computed
+        under ``identity`` reused)."""
+        prefix = self.cached_prefix(token_ids, identity)
         held = sum(1 for b in prefix if self.ref_count[b] > 0)  # reused without taking a free block
         return self.blocks_for(len(token_ids)) - held <= len(self.free_blocks)
 
     def allocate(self, seq: PagedSequence, token_ids) -> int:
         """Give ``seq`` (empty) blocks for every position of ``token_ids``: the cached prefix's
-        blocks (shared), then fresh ones. Sets ``seq.length`` to the cached positions and returns
-        that number (whole blocks), the prompt tokens that need no computing.
+        blocks computed under ``seq.identity`` (shared), then fresh ones. Sets ``seq.length`` to
+        the cached positions and returns that number (whole blocks), the prompt tokens that need no
+        computing.
 
         Raises:
             KVCacheFullError: not enough free blocks (check :meth:`can_allocate` first).
         """
         if seq.block_table:
             raise InvalidRequestError("allocate() needs an empty sequence; reset() it first.")
-        if not self.can_allocate(token_ids):
+        if not self.can_allocate(token_ids, seq.identity):
             raise self._full(self.blocks_for(len(token_ids)))
-        prefix = self.cached_prefix(token_ids)
+        prefix = self.cached_prefix(token_ids, seq.identity)
         for block in prefix:
             self.free_blocks.pop(block, None)  # an unreferenced cached block is taken back from the free list
             self.ref_count[block] += 1
@@ -247,7 +256,7 @@ class KVCachePool:
         full = seq.length // self.block_size
         if full <= len(seq.hashes):
             return
-        bs, prev = self.block_size, seq.hashes[-1] if seq.hashes else b""
+        bs, prev = self.block_size, seq.hashes[-1] if seq.hashes else seq.identity
         ids = np.asarray(token_ids[: full * bs], dtype=np.int64)
         for j in range(len(seq.hashes), full):
             prev = hashlib.blake2b(prev + ids[j * bs : (j + 1) * bs].tobytes(), digest_size=16).digest()
@@ -285,13 +294,14 @@ class PagedSequence:
 
     It has :class:`~minillm.model.kv_cache.KVCache`'s interface (``length``, ``max_seq_len``,
     ``check_room``, ``write``, ``advance``, ``reset``, sizes), so ``Transformer.forward`` and
-    ``forward_batch`` take it where they take a contiguous cache.
+    ``forward_batch`` take it where they take a contiguous cache. ``identity``: bytes naming what
+    its keys and values depend on besides the token ids (the first block's hash starts from them).
     """
 
-    def __init__(self, pool: KVCachePool, max_seq_len: int):
+    def __init__(self, pool: KVCachePool, max_seq_len: int, identity: bytes = b""):
         if max_seq_len <= 0:
             raise InvalidRequestError(f"a sequence's max_seq_len must be positive, got {max_seq_len}.")
-        self.pool, self.max_seq_len = pool, max_seq_len
+        self.pool, self.max_seq_len, self.identity = pool, max_seq_len, identity
         self.block_table: list[int] = []  # physical block of positions j*block_size .. (j+1)*block_size - 1
         self.hashes: list[bytes] = []  # chained hashes of its full blocks, as registered
         self.length = 0  # positions whose keys and values are in the pool

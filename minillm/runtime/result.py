@@ -36,6 +36,7 @@ class RequestMetrics:
     accepted_tokens: int = 0
     verify_steps: int = 0  # speculative passes that checked at least one drafted token
     speculative_k: int = 0  # tokens drafted per pass at most (Speculative.num_tokens); 0: no speculation
+    prompt_tokens_computed: int = 0  # prompt positions the batch scheduler fed (cache hits not; recomputed again)
 
     @property
     def prefill_tokens_per_s(self) -> float:

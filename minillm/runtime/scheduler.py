@@ -14,7 +14,8 @@ cache*; when every token is in, the last row's logits give the next token. Each 
 
 ``max_batched_tokens`` caps the rows per step, so a long prompt cannot stall running decodes for
 more than a step's worth of work. Admission reserves blocks for a request's known tokens (prefix
-blocks from the cache are shared); decode steps add a block every ``block_size`` tokens. Timing
+blocks from the cache are shared, found under the request's ``kv_identity``: the model, its
+precision and adapters as set at admission); decode steps add a block every ``block_size`` tokens. Timing
 is measured *around* the step, never inside the math.
 """
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from minillm.errors import InvalidRequestError, KVCachePoolTooSmall
 from minillm.model.paged_kv_cache import KVCachePool, PagedSequence
+from minillm.runtime.kv_identity import kv_identity
 from minillm.runtime.loading import Model
 from minillm.runtime.request import GenerationResult, Request
 
@@ -146,9 +148,13 @@ class Scheduler:
                 self.pool.grow(request.seq, n)
                 rows.append((request, n))
                 budget -= n
+        identity = None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
-            if not self.pool.can_allocate(request.seen):
+            if identity is None:  # what the keys it computes now depend on besides its ids
+                identity = kv_identity(self.model, self.pool.keys.dtype.name)
+            request.seq.identity = identity
+            if not self.pool.can_allocate(request.seen, identity):
                 break  # arrival order: no one overtakes the request at the head
             self.waiting.popleft()
             cached = self.pool.allocate(request.seq, request.seen)
@@ -198,8 +204,9 @@ class Scheduler:
             logits = self.model.transformer.forward_batch(chunks, last_rows=last_rows)  # [sum(last_rows), vocab]
             forward_s = time.perf_counter() - t0
             ends = np.cumsum(last_rows)
-            for (request, _), end, m in zip(rows, ends, last_rows, strict=True):
+            for (request, n), start, end, m in zip(rows, starts, ends, last_rows, strict=True):
                 request.metrics.target_passes += 1
+                request.metrics.prompt_tokens_computed += max(0, min(start + n, len(request.prompt_ids)) - start)
                 if request.step_delay_s > 0:
                     request.hold_until = time.perf_counter() + request.step_delay_s
                 if not request.new_ids:

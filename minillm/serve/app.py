@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import minillm
 from minillm.runtime.constraint import Constraint, grammar_for
 
+from . import logprobs as lp
 from . import protocol as p
 from .events import EventStreamResponse, TooManySubscribers
 from .limits import DEFAULT_MAX_REQUEST_BYTES, max_token_bytes, prompt_too_long
@@ -203,7 +204,6 @@ def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAU
         try:
             worker.submit(job)
         except QueueFullError as exc:
-            worker.metrics.rejected.inc()
             refused.labels(reason="queue_full").inc()
             raise APIError(
                 429,
@@ -411,14 +411,12 @@ def _completion_logprobs(o: Outcome) -> p.CompletionLogprobs | None:
     """The legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset."""
     if o.logprobs is None:
         return None
-    out, offset = p.CompletionLogprobs(), 0
-    for e in o.logprobs:
-        out.tokens.append(e["token"])
-        out.token_logprobs.append(e["logprob"])
-        out.top_logprobs.append({t["token"]: t["logprob"] for t in e["top_logprobs"]})
-        out.text_offset.append(offset)
-        offset += len(e["token"])
-    return out
+    return p.CompletionLogprobs(
+        tokens=[e["token"] for e in o.logprobs],
+        token_logprobs=[e["logprob"] for e in o.logprobs],
+        top_logprobs=[{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in o.logprobs],
+        text_offset=lp.text_offsets(o.logprobs),
+    )
 
 
 def _final_response(o: Outcome, request_id: str, served_model: str, chat: bool):

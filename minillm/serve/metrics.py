@@ -52,9 +52,20 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.prompt_tokens = Counter("minillm_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("minillm_generation_tokens", "Output tokens generated", registry=r)
-        self.finished = Counter("minillm_request_finished", "Finished requests by stop reason", ["reason"], registry=r)
+        self.prompt_tokens = Counter(
+            "minillm_prompt_tokens",
+            "Prompt tokens the model computed (prefix-cache hits not counted, a preempted request's recomputed "
+            "prompt counted again, a request cancelled before it ran: none)",
+            registry=r,
+        )
+        self.generation_tokens = Counter("minillm_generation_tokens", "Output tokens the model sampled", registry=r)
+        self.finished = Counter(
+            "minillm_request_finished",
+            "Requests that ended, each once, by final state: its stop reason (eos, cancelled, timed out, ...), "
+            "refused (the runtime refused it: 400) or error (500); a full queue's 429 is minillm_request_rejected",
+            ["reason"],
+            registry=r,
+        )
         self.rejected = Counter("minillm_request_rejected", "Requests refused with 429 (queue full)", registry=r)
         self.running = Gauge("minillm_num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("minillm_num_requests_waiting", "Requests waiting in the queue", registry=r)

@@ -32,13 +32,11 @@ import minillm
 from minillm.runtime.loading import run_warmup
 from minillm.runtime.scheduler import BatchRequest, Scheduler
 
+from . import logprobs as lp
 from .events import EventBus
 from .live import LiveFeed
 from .metrics import ServerMetrics
 from .reliability import Guard, GuardedRequest
-
-# OpenAI's floor for a logprob (an id at probability 0, e.g. masked, would be -inf: not JSON).
-UNKNOWN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -178,50 +176,61 @@ class Worker:
         self.guard.counters.bind(self)
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the worker thread: load (and warm up) the model, then serve the queue."""
-        self.thread = threading.Thread(target=self._run, name="minillm-worker", daemon=True)
+    def start(self, model: minillm.Model | None = None) -> None:
+        """Start the worker thread: load (and warm up) the model, then serve the queue. ``model``:
+        serve this loaded model instead of loading ``model_name`` (tests, in one process)."""
+        self.thread = threading.Thread(target=self._run, args=(model,), name="minillm-worker", daemon=True)
         self.thread.start()
 
-    def _run(self) -> None:
+    def _run(self, model: minillm.Model | None = None) -> None:
         self.status = "loading"
         self.live.load("loading", model=self.model_name)
         if self.startup_delay_s > 0:
             time.sleep(self.startup_delay_s)  # on purpose (--startup-delay); /health says so
         try:
             tracer = self._tracer()
-            self.model = minillm.load(
-                self.model_name, tracer=tracer, warmup=False, threads=self.threads, progress=False
-            )
-            self.pool = minillm.KVCachePool.for_model(self.model.config, self.kv_cache_mib, self.block_size)
-            self.live.load("loaded", seconds=dict(self.model.load_seconds), blocks_total=self.pool.num_blocks)
-            if self.warmup:  # through the pool requests will use: its memory is mapped on first write
-                run_warmup(self.model, tracer=tracer, pool=self.pool)
-                self.live.load("warmup", seconds=self.model.warmup_s)
+            if model is None:
+                model = minillm.load(self.model_name, tracer=tracer, warmup=False, threads=self.threads, progress=False)
+            self.attach(model, tracer)
         except Exception as exc:  # noqa: BLE001 - reported by /health (503) rather than killing the server
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
             self.live.load("failed", error=self.error)
             return
+        while True:
+            self.serve_once(block=not self.scheduler.has_work())
+
+    def attach(self, model: minillm.Model, tracer=None) -> None:
+        """Serve ``model``: build the pool and the scheduler (warming up through the pool if asked);
+        ``status`` becomes "ready". The thread calls it after loading; tests call it directly."""
+        self.model = model
+        self.pool = minillm.KVCachePool.for_model(model.config, self.kv_cache_mib, self.block_size)
+        self.live.load("loaded", seconds=dict(model.load_seconds), blocks_total=self.pool.num_blocks)
+        if self.warmup:  # through the pool requests will use: its memory is mapped on first write
+            run_warmup(model, tracer=tracer, pool=self.pool)
+            self.live.load("warmup", seconds=model.warmup_s)
         self.scheduler = Scheduler(
-            self.model, self.pool, max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs
+            model, self.pool, max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs
         )
         self.status = "ready"
         self.live.load("ready", blocks_total=self.pool.num_blocks, bytes_per_block=self.pool.bytes_per_block)
-        while True:
-            self._take_jobs(block=not self.scheduler.has_work())
-            self.guard.between_steps(self)
-            if self.scheduler.has_work():
-                pause = self.scheduler.seconds_until_ready()
-                if pause > 0:  # only slow-motion requests run, all sitting out: wait (a new job ends it)
-                    self._take_jobs(block=True, timeout=pause)
-                    continue
-                self.live.before_step(self.scheduler)
-                try:
-                    self.scheduler.step()
-                except Exception as exc:  # noqa: BLE001 - a bug: answer every client, keep the worker alive
-                    self._fail_all(exc)
-                self.live.after_step(self)
-                self._publish()
+
+    def serve_once(self, block: bool = False) -> None:
+        """Move queued jobs into the batch (waiting for one if ``block``), run one step, send what
+        it made. The worker thread calls it in a loop; tests call it to step the worker by hand."""
+        self._take_jobs(block=block)
+        self.guard.between_steps(self)
+        if self.scheduler.has_work():
+            pause = self.scheduler.seconds_until_ready()
+            if pause > 0:  # only slow-motion requests run, all sitting out: wait (a new job ends it)
+                self._take_jobs(block=True, timeout=pause)
+                return
+            self.live.before_step(self.scheduler)
+            try:
+                self.scheduler.step()
+            except Exception as exc:  # noqa: BLE001 - a bug: answer every client, keep the worker alive
+                self._fail_all(exc)
+            self.live.after_step(self)
+            self._publish()
 
     @property
     def running(self) -> int:
@@ -244,12 +253,14 @@ class Worker:
         return sum(r.seq.used_bytes for r in self.scheduler.running) if self.scheduler is not None else 0
 
     def submit(self, job: Job) -> None:
-        """Queue a job (arrival order). Raises QueueFullError when ``max_queue`` jobs already wait."""
+        """Queue a job (arrival order). Raises QueueFullError when ``max_queue`` jobs already wait
+        (counted in ``metrics.rejected``)."""
         try:
             if self.waiting >= self.max_queue:
                 raise queue.Full
             self.queue.put_nowait(job)
         except queue.Full:
+            self.metrics.rejected.inc()  # its final state: refused before any work
             raise QueueFullError(f"{self.queue.maxsize} requests are already waiting") from None
         self.live.queued(job)
 
@@ -283,6 +294,7 @@ class Worker:
         self.metrics.queue_wait.observe(wait)
         if job.cancel.is_set():  # the client left while the request waited: no work at all
             self._remember(job, minillm.StopReason.CANCELLED, wait, [], note="client left while queued")
+            self.metrics.finished.labels(reason=minillm.StopReason.CANCELLED.value).inc()  # no token processed
             job.send("done", Outcome("", 0, 0, minillm.StopReason.CANCELLED, wait, None, None))
             return
         tracer = self._tracer()
@@ -315,6 +327,7 @@ class Worker:
             self.scheduler.add(request)  # refuses a request the pool could never hold (400)
         except minillm.MiniLLMError as exc:  # a request the runtime refuses: the client gets a 400
             self._remember(job, None, wait, tracer.events, note=f"{type(exc).__name__}: {exc}")
+            self.metrics.finished.labels(reason="refused").inc()
             job.send("error", exc)
             return
         self.active[request.index] = Active(job, request, tracer, wait)
@@ -337,6 +350,8 @@ class Worker:
         for index, a in list(self.active.items()):
             del self.active[index]
             a.request.seq.reset()
+            self._count_tokens(a.request)
+            self.metrics.finished.labels(reason="error").inc()
             self._remember(a.job, None, a.wait, a.tracer.events, note=f"internal error {type(exc).__name__}: {exc}")
             a.job.send("error", exc)
         self.scheduler.running.clear()
@@ -353,10 +368,9 @@ class Worker:
             self.metrics.tpot.observe(step)
         if timed:
             self.metrics.e2e.observe(time.perf_counter() - job.arrival)
-        self.metrics.prompt_tokens.inc(len(result.prompt_ids))
-        self.metrics.generation_tokens.inc(len(result.ids))
+        self._count_tokens(a.request)
         self.metrics.finished.labels(reason=result.stop_reason.value).inc()
-        logprobs = self._logprobs(result) if job.top_logprobs is not None else None
+        logprobs = self._logprobs(result, job.top_logprobs) if job.top_logprobs is not None else None
         self._remember(job, result.stop_reason, wait, tracer.events)
         job.send(
             "done",
@@ -376,6 +390,12 @@ class Worker:
                 else None,
             ),
         )
+
+    def _count_tokens(self, request: BatchRequest) -> None:
+        """Count the prompt tokens the model computed (prefix-cache hits and a request that never
+        ran: none) and the tokens it sampled."""
+        self.metrics.prompt_tokens.inc(request.metrics.prompt_tokens_computed)
+        self.metrics.generation_tokens.inc(len(request.new_ids))
 
     def _remember(self, job: Job, reason, wait: float, events: list, note: str | None = None) -> None:
         """Keep the request's trace for GET /v1/traces/{id} (the newest ``keep_traces`` only)."""
@@ -399,22 +419,14 @@ class Worker:
             return self.traces.get(request_id)
 
     # --- logprobs ------------------------------------------------------------------------------
-    def _logprobs(self, result) -> list[dict]:
-        """One entry per output token (a stopping EOS left out) in OpenAI's shape, from the result's
-        ``logprobs`` (``SamplingParams.top_logprobs``): log-probabilities in the distribution
-        ``sample`` drew from (after the bias, penalties, mask, temperature, top-k, top-p, min-p; at
-        temperature 0, the distribution at temperature 1)."""
-        steps = result.logprobs
-        if result.stop_reason is minillm.StopReason.EOS:
-            steps = steps[:-1]
-        return [
-            {**self._token(step["id"], step["logprob"]), "top_logprobs": [self._token(i, q) for i, q in step["top"]]}
-            for step in steps
-        ]
-
-    def _token(self, token_id: int, logprob: float) -> dict:
-        text = minillm.detokenize(self.model, [token_id], skip_special_tokens=False)
-        return {"token": text, "logprob": max(logprob, UNKNOWN_LOGPROB), "bytes": list(text.encode("utf-8"))}
+    def _logprobs(self, result, top: int) -> list[dict]:
+        """One entry per output token (a stopping EOS left out) in OpenAI's shape (``logprobs.py``:
+        each token's own bytes), from the numbers the sampler drew with (``result.logprobs``,
+        ``SamplingParams.top_logprobs``: after the bias, penalties, mask, temperature, top-k, top-p,
+        min-p; at temperature 0, the distribution at temperature 1)."""
+        ids = result.ids[:-1] if result.stop_reason is minillm.StopReason.EOS else result.ids
+        steps = [(s["id"], math.exp(s["logprob"]), [(i, math.exp(q)) for i, q in s["top"]]) for s in result.logprobs]
+        return lp.content(self.model.tokenizer, steps, ids, top)
 
     def next_id(self, prefix: str) -> str:
         """A request id unique in this process, e.g. ``chatcmpl-1a2b3c4d-0007``."""

@@ -313,8 +313,8 @@ class Tokenizer:
     def piece_for_display(self, token_id: int) -> str:
         """A piece as a person reads it: 'Ġcapital' -> '␣capital', 'Ċ' -> '↵', '<|im_end|>' as-is.
 
-        The piece is turned back into its bytes (byte-level table, '▁' -> space, '<0xE5>' -> byte);
-        bytes that are only part of a UTF-8 character are shown escaped, e.g. '\\xe5'.
+        The piece is turned back into its bytes (:meth:`token_bytes`); bytes that are only part of
+        a UTF-8 character are shown escaped, e.g. '\\xe5'.
 
         An id >= 0 with no entry shows as ``<id 287>``: models pad their embedding past the
         tokenizer (Qwen2.5: 151,936 rows for 151,665 tokens; rows are rounded up for fast matrix
@@ -324,18 +324,30 @@ class Tokenizer:
         token_id = int(token_id)
         if token_id >= 0 and self.backend.id_to_token(token_id) is None:
             return f"<id {token_id}>"
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace").translate(_VISIBLE)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for: 'Ġcapital' -> b' capital', '<0xE5>' -> b'\\xe5', the
+        byte-level piece 'ðŁİ' -> b'\\xf0\\x9f\\x8e' (part of a character: bytes, not text),
+        '▁capital' -> b' capital', a special or added token -> its text's UTF-8.
+
+        Joined over a byte-level tokenizer's ids, they are the decoded text's UTF-8 exactly. An id
+        >= 0 with no entry (a padded embedding row) has no bytes: b''. Raises TokenizerError for a
+        negative id.
+        """
+        token_id = int(token_id)
+        if token_id >= 0 and self.backend.id_to_token(token_id) is None:
+            return b""
         piece = self.id_to_piece(token_id)
         if token_id in self.special_token_ids:
-            return piece.translate(_VISIBLE)  # its text, whitespace made visible like every piece
+            return piece.encode("utf-8")
         if token_id in self._added:  # added tokens hold plain text (Gemma's space runs: '▁▁▁')
-            return piece.replace("▁", " ").translate(_VISIBLE)
+            return piece.replace("▁", " ").encode("utf-8")
         if m := _BYTE_PIECE.match(piece):
-            raw = bytes([int(m.group(1), 16)])
-        elif self._byte_level and all(ch in _BYTE_LEVEL_DECODER for ch in piece):
-            raw = bytes(_BYTE_LEVEL_DECODER[ch] for ch in piece)
-        else:
-            raw = piece.replace("▁", " ").encode("utf-8")
-        return raw.decode("utf-8", errors="backslashreplace").translate(_VISIBLE)
+            return bytes([int(m.group(1), 16)])
+        if self._byte_level and all(ch in _BYTE_LEVEL_DECODER for ch in piece):
+            return bytes(_BYTE_LEVEL_DECODER[ch] for ch in piece)
+        return piece.replace("▁", " ").encode("utf-8")
 
     @cached_property
     def special_token_texts(self) -> tuple[str, ...]:
