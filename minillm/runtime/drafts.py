@@ -35,7 +35,6 @@ from minillm.model.transformer import Transformer
 
 if TYPE_CHECKING:
     from minillm.runtime.loading import Model
-    from minillm.runtime.speculative import Speculative
 
 #: ``choose(logits [vocab], seen ids) -> (id, q [vocab] float64 or None)``: the request's sampler
 Choose = Callable[[np.ndarray, Sequence[int]], tuple[int, "np.ndarray | None"]]
@@ -128,8 +127,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def make_draft(spec: Speculative, model: Model, max_seq_len: int) -> Draft:
-    """The draft of ``spec`` for one request on ``model``.
+def make_draft(spec, model: Model, max_seq_len: int) -> Draft:
+    """The draft of ``spec`` (a ``speculative.Speculative``) for one request on ``model``.
 
     Raises:
         InvalidRequestError: ``layers:K`` with K outside ``1..layers-1``; ``self-int8`` on weights
