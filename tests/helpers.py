@@ -45,6 +45,10 @@ class Inbox:
     def put_nowait(self, item) -> None:
         self.items.append(item)
 
+    def qsize(self) -> int:
+        """Items the client has not read yet (the backpressure guard asks): none, it reads at once."""
+        return 0
+
     @property
     def end(self):
         """The last item: ``("done", Outcome)`` or ``("error", exc)`` once the request ended."""

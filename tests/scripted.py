@@ -129,16 +129,18 @@ class ChainTransformer:
         self.config, self.chain, self.filler = config, dict(chain), filler
         self.weights = SimpleNamespace(num_parameters=0, layers=[], weight_dtype="float32")  # kv_identity reads these
         self.layer_types = [config.layer_type(i) for i in range(config.num_hidden_layers)]
+        self.positions = PositionTables(config)  # what Transformer.masks reads (the trace draws them)
 
-    def forward_batch(self, chunks, *, all_logits: bool = False) -> np.ndarray:
+    def forward_batch(self, chunks, *, all_logits: bool = False, last_rows=None) -> np.ndarray:
         rows = []
-        for ids, seq in chunks:
+        for j, (ids, seq) in enumerate(chunks):
             seq.check_room(len(ids))
             seq.advance(len(ids))
-            row = np.full(self.config.vocab_size, -10.0, dtype=np.float32)
-            row[self.chain.get(int(ids[-1]), self.filler)] = 10.0
-            rows.append(row)
-        return np.stack(rows)  # [requests, vocab]: each one's last row
+            for i in ids[len(ids) - (1 if last_rows is None else last_rows[j]) :]:  # the rows asked for
+                row = np.full(self.config.vocab_size, -10.0, dtype=np.float32)
+                row[self.chain.get(int(i), self.filler)] = 10.0
+                rows.append(row)
+        return np.stack(rows)  # [rows asked for, vocab]: each one's last row (or last_rows[j] rows)
 
 
 def chain_model(tokenizer: Tokenizer, pieces: list[str], end: int | None = None, *, filler: str = "w",

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import minillm
 from minillm.runtime.loading import run_warmup
@@ -309,7 +309,7 @@ class Worker:
             request = GuardedRequest(
                 self.model,
                 job.prompt,
-                job.params,
+                job.params if job.top_logprobs is None else replace(job.params, top_logprobs=job.top_logprobs),
                 pool=self.pool,
                 index=next(self._indices),
                 max_new_tokens=max_new,
