@@ -110,6 +110,12 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
         "gguf (the model's GGUF blocks kept packed, e.g. Q4_1). Norms stay float32; the math is float32",
     )
     p.add_argument(
+        "--kernels",
+        choices=("tuned", "plain"),
+        default="tuned",
+        help="the forward's products and attention: tuned (minillm/kernels, default) or plain (minillm/model)",
+    )
+    p.add_argument(
         "--kv-dtype",
         choices=("float32", "float16", "int8"),
         default="float32",
@@ -298,6 +304,7 @@ def _cmd_request(args: argparse.Namespace, console: Console) -> int:
         merge_adapters=args.adapter_mode == "merged",
         threads=args.threads,
         weight_dtype=args.weight_dtype,
+        kernels=args.kernels,
     )
     user_text = args.prompt
     if attachment is not None:
