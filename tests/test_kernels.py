@@ -2,7 +2,7 @@
 against ``TunedKernels`` (minillm/kernels/tuned.py).
 
 Plain and tuned share one set of weights (two ``Transformer`` objects over the same arrays), so any
-difference is the kernels' float32 rounding: logits within 1e-5 for SmolLM2 prefills of 1 to 600
+difference is the kernels' float32 rounding: logits within 1e-4 (TOLERANCE) for SmolLM2 prefills of 1 to 600
 tokens (600: attention in causal chunks in every layer) and batched decode steps of 1, 8 and 32
 rows through the paged pool (the tuned path gathers them together), and equal greedy ids over 32
 tokens for 5 prompts, alone and batched. The seam's fast facts (which form is taken when, the
@@ -22,6 +22,11 @@ from minillm.kernels.tuned import TUNED, TunedKernels
 from minillm.model.kernels import PLAIN, Kernels
 from minillm.model.paged_kv_cache import KVCachePool
 from minillm.model.transformer import Transformer
+
+#: Plain vs tuned on SmolLM2 (logits up to ~35 in size), measured: batched decode 1.3e-5 to 5.9e-5,
+#: a 600-token prefill 6.3e-5 (attention in causal chunks), from float32 sums in another order
+#: through 30 layers; the tiny Llama's small logits stay within 1e-5. 1e-4: the parity tests' bar.
+TOLERANCE = 1e-4
 
 PROMPTS = [
     "The capital of France is",
@@ -119,7 +124,7 @@ def test_prefill_logits_plain_equal_tuned(both, tokens):
         cache = minillm.KVCache.for_model(model.config, max_seq_len=tokens)
         logits[name] = model.forward(ids, cache)  # [tokens, vocab]: every row
     assert logits["plain"].shape == (tokens, 49152)
-    assert np.abs(logits["plain"] - logits["tuned"]).max() < 1e-5
+    assert np.abs(logits["plain"] - logits["tuned"]).max() < TOLERANCE
 
 
 @pytest.mark.slow
@@ -127,7 +132,7 @@ def test_prefill_logits_plain_equal_tuned(both, tokens):
 def test_batched_decode_logits_plain_equal_tuned(both, batch):
     plain, tuned = (batched_decode_logits(both[name], batch) for name in ("plain", "tuned"))
     assert plain.shape == (2, batch, 49152)
-    assert np.abs(plain - tuned).max() < 1e-5
+    assert np.abs(plain - tuned).max() < TOLERANCE
 
 
 def _greedy(model, ids: np.ndarray, n: int) -> list[int]:
