@@ -1,6 +1,7 @@
 """A/B: this checkout's forward pass against an earlier commit's, in one process, in alternation.
 
-    python -m benchmarks.ab --before HEAD~3            # decode step and prefill-512, ratios printed
+    python -m benchmarks.ab --before HEAD~3            # decode step, prefill-512, batch-8 and batch-32 steps
+    python -m benchmarks.ab --before HEAD~3 --plain    # ... and this checkout's plain kernels beside them
 
 Why one process and alternation: on a shared machine the speed of memory and of the BLAS drifts
 from one minute to the next, so two runs minutes apart compare the minutes, not the code. Here
@@ -72,6 +73,43 @@ def time_prefill(m, model, tokens: int) -> float:
     return time.perf_counter() - t
 
 
+def time_batch(m, model, batch: int, steps: int, context: int) -> float:
+    """Median seconds of one batched decode step of ``batch`` rows over a paged pool (lesson 11's
+    ``decode_step_seconds``: ``context`` random prompt tokens a row, then ``steps`` steps)."""
+    cfg, transformer = model.config, model.transformer
+    mib = batch * (context // 16 + 3) * 16 * cfg.kv_bytes_per_token() / 2**20  # whole blocks for every row
+    pool = m.KVCachePool.for_model(cfg, kv_cache_mib=mib)
+    seqs = [pool.sequence(context + steps + 1) for _ in range(batch)]
+    rng = np.random.default_rng(batch)
+    for seq in seqs:
+        pool.grow(seq, context)
+        transformer.forward(rng.integers(0, cfg.vocab_size, context), seq, last_only=True)
+    times = []
+    for _ in range(steps):
+        for seq in seqs:
+            pool.grow(seq, 1)
+        t = time.perf_counter()
+        logits = transformer.forward_batch([(np.array([7]), seq) for seq in seqs])
+        np.argmax(logits, axis=-1)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def plain_twin(model):
+    """A copy of ``model`` (the same weights) whose transformer runs the plain kernels."""
+    import copy
+
+    from minillm.model.kernels import PLAIN
+    from minillm.model.transformer import Transformer
+
+    twin = copy.copy(model)
+    twin.transformer = Transformer(model.config, model.transformer.weights, PLAIN)
+    return twin
+
+
+FIGURES = ("decode_s", "prefill_s", "batch8_s", "batch32_s")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True, help="the earlier git revision (e.g. HEAD~3 or a commit)")
@@ -80,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32, help="decode steps per round (default 32)")
     parser.add_argument("--context", type=int, default=64, help="positions in the cache while decoding")
     parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--plain", action="store_true", help="also time this checkout's plain kernels")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"where to write results ({DEFAULT_JSON})")
     args = parser.parse_args(argv)
 
@@ -90,12 +129,16 @@ def main(argv: list[str] | None = None) -> int:
 
         models = {"before": before.load(args.model, progress=False), "after": after.load(args.model, progress=False)}
         modules = {"before": before, "after": after}
-        times: dict[str, dict[str, list[float]]] = {k: {"decode_s": [], "prefill_s": []} for k in models}
+        if args.plain:
+            models["after_plain"], modules["after_plain"] = plain_twin(models["after"]), after
+        times: dict[str, dict[str, list[float]]] = {k: {f: [] for f in FIGURES} for k in models}
         for _ in range(args.rounds):
-            for name in ("before", "after"):
+            for name in models:
                 m, model = modules[name], models[name]
                 times[name]["decode_s"].append(time_decode(m, model, args.steps, args.context))
                 times[name]["prefill_s"].append(time_prefill(m, model, args.prefill_tokens))
+                times[name]["batch8_s"].append(time_batch(m, model, 8, 8, args.context))
+                times[name]["batch32_s"].append(time_batch(m, model, 32, 8, args.context))
     report = {
         "before": args.before,
         "rounds": args.rounds,
@@ -104,10 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_tokens": args.prefill_tokens,
         "times": times,
     }
-    for figure in ("decode_s", "prefill_s"):
+    for figure in FIGURES:
         b, a = statistics.median(times["before"][figure]), statistics.median(times["after"][figure])
         report[figure] = {"before": b, "after": a, "after_over_before": a / b}
-        print(f"{figure:10s} before {b * 1e3:8.2f} ms   after {a * 1e3:8.2f} ms   after / before {a / b:.3f}")
+        line = f"{figure:10s} before {b * 1e3:8.2f} ms   after {a * 1e3:8.2f} ms   after / before {a / b:.3f}"
+        if "after_plain" in times:
+            p = report[figure]["after_plain"] = statistics.median(times["after_plain"][figure])
+            line += f"   plain {p * 1e3:8.2f} ms ({p / b:.3f})"
+        print(line)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")

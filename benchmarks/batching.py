@@ -19,9 +19,9 @@ The limits, from the machine measured in the same run (``workers.measure_machine
     ceiling tokens/s = B / max(memory bound, compute bound)
 
 It also times the matrix products alone for B rows in each formulation of
-``minillm/model/products.py`` (``plain`` ``x @ W.T``, ``left`` ``W @ x.T``, ``sliced``, ``sliced_gemv``)
+``minillm/kernels/products.py`` (``plain`` ``x @ W.T``, ``left`` ``W @ x.T``, ``sliced``, ``sliced_gemv``)
 and the one ``products.few_rows_product`` picks for this BLAS kernel (``products.PLAN``: what
-``primitives.linear`` uses for 2 to 64 rows in a batched pass); with ``--torch``, transformers'
+``TunedKernels.linear`` uses for 2 to 64 rows in a batched pass); with ``--torch``, transformers'
 batched ``generate`` on the same prompts, left-padded, greedy.
 
 Prefill against the GEMM ceiling (``--prefill-tokens``, 512): one ``prefill`` over 512 tokens and
@@ -123,7 +123,7 @@ def products_alone(model, batch: int, repeats: int) -> dict:
     """Seconds for one pass of every matrix product of a decode step with ``batch`` rows, in each
     formulation of ``products.FORMULATIONS`` and as ``few_rows_product`` picks (best of
     ``repeats``, the ways alternated within each repeat)."""
-    from minillm.model import products
+    from minillm.kernels import products
 
     rng = np.random.default_rng(0)
     mats = matrices(model)
@@ -260,7 +260,7 @@ def minillm_batched_decode(model, batch: int, prompt_tokens: int, new_tokens: in
 
 def run(args) -> dict:
     import minillm
-    from minillm.model import products
+    from minillm.kernels import products
     from minillm.observe.metrics import cpu_snapshot, others_cpu_share
 
     keep = workers.limit_threads(args.threads)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 
 def run_bench(url: str, model: str, out: Path, *, concurrency: str, requests: int, prompt_tokens: int,
               max_tokens: int) -> subprocess.CompletedProcess:
@@ -83,3 +85,24 @@ def finish(worker, max_steps: int = 10_000) -> None:
             return
         worker.serve_once()
     raise AssertionError(f"the worker still had work after {max_steps} steps")
+
+
+def batched_decode_logits(model, batch: int, steps: int = 2) -> np.ndarray:
+    """``steps`` batched decode steps of ``batch`` rows (rows at positions 40 + r) over a paged pool:
+    logits ``[steps, batch, vocab]``, the rows' greedy ids fed back."""
+    from minillm.model.paged_kv_cache import KVCachePool
+
+    cfg = model.config
+    pool = KVCachePool.for_model(cfg, kv_cache_mib=batch * 8 * 16 * cfg.kv_bytes_per_token() / 2**20)
+    rng = np.random.default_rng(batch)
+    seqs = [pool.sequence(40 + batch + steps + 1) for _ in range(batch)]
+    for r, seq in enumerate(seqs):
+        pool.grow(seq, 40 + r)
+        model.forward(rng.integers(0, cfg.vocab_size, 40 + r), seq, last_only=True)
+    out, tokens = [], [7 + r for r in range(batch)]
+    for _ in range(steps):
+        for seq in seqs:
+            pool.grow(seq, 1)
+        out.append(model.forward_batch([(np.array([t]), s) for t, s in zip(tokens, seqs, strict=True)]))
+        tokens = [int(t) for t in np.argmax(out[-1], axis=-1)]
+    return np.stack(out)

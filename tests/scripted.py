@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from minillm.model.config import ModelConfig
+from minillm.model.kernels import PLAIN
 from minillm.model.positions import PositionTables
 from minillm.model.transformer import Transformer
 from minillm.runtime.loading import Model
@@ -77,6 +78,7 @@ class ScriptedTransformer:
         self.fed: list[list[int]] = []  # what each forward call was given
 
     masks = Transformer.masks  # the real masks, from config and layer_types (the trace draws them)
+    kernels = PLAIN  # what the trace's load section and the prefix cache's identity name
 
     def forward(self, token_ids, cache=None, *, last_only: bool = False, capture=None) -> np.ndarray:
         token_ids = np.asarray(token_ids, dtype=np.int64)
@@ -124,6 +126,7 @@ class ChainTransformer:
     all get the same answer. Writes nothing; advances each sequence like the real one."""
 
     masks = Transformer.masks
+    kernels = PLAIN  # what the prefix cache's identity names
 
     def __init__(self, config: ModelConfig, chain: dict[int, int], filler: int):
         self.config, self.chain, self.filler = config, dict(chain), filler

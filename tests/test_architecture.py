@@ -28,7 +28,7 @@ def lint_imports(top: Path) -> subprocess.CompletedProcess:
 def test_the_import_contracts_hold():
     run = lint_imports(ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "2 kept, 0 broken" in run.stdout
+    assert "3 kept, 0 broken" in run.stdout
 
 
 def planted(tmp_path: Path, module: str, source: str) -> Path:
@@ -50,6 +50,13 @@ def test_the_runtime_importing_the_shell_breaks_the_layers(tmp_path):
     top = planted(tmp_path, "runtime/leak", "import minillm.cli\n")
     run = lint_imports(top)
     assert run.returncode != 0 and "minillm.runtime.leak -> minillm.cli" in run.stdout
+
+
+def test_the_textbook_importing_the_engine_room_breaks_the_contract(tmp_path):
+    top = planted(tmp_path, "model/leak", "def f():\n    from minillm.kernels import products  # hidden in a function\n")
+    run = lint_imports(top)
+    assert run.returncode != 0
+    assert "The textbook (model) never imports the engine room (kernels) BROKEN" in run.stdout
 
 
 def test_a_cycle_between_siblings_breaks_the_contract(tmp_path):
@@ -140,6 +147,33 @@ def test_no_module_imports_itself_round_a_loop():
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
+def engine_room_imports(top: Path = PACKAGE) -> list[str]:
+    """``module -> imported`` for every module of ``minillm.model`` importing ``minillm.kernels`` (counting
+    imports inside functions and under TYPE_CHECKING)."""
+    modules = module_names(top)
+    return sorted(
+        f"{name} -> {target}"
+        for name, path in modules.items()
+        if name == "minillm.model" or name.startswith("minillm.model.")
+        for target in imported_modules(name, path, modules)
+        if target == "minillm.kernels" or target.startswith("minillm.kernels.")
+    )
+
+
+def test_the_textbook_imports_nothing_from_the_engine_room():
+    """``minillm/model/`` (the textbook) never imports ``minillm/kernels/`` (the engine room), anywhere."""
+    assert engine_room_imports() == []
+    assert "minillm.kernels.tuned" in module_names()  # the engine room is there to be not imported
+
+
+def test_an_engine_room_import_hidden_in_the_textbook_is_found(tmp_path):
+    shutil.copytree(ROOT / "minillm", tmp_path / "minillm", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "minillm" / "model" / "leak.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from minillm.kernels.tuned import TunedKernels\n"
+    )
+    assert engine_room_imports(tmp_path / "minillm") == ["minillm.model.leak -> minillm.kernels.tuned"]
+
+
 def test_a_cycle_hidden_in_a_function_or_under_type_checking_is_found(tmp_path):
     top = tmp_path / "minillm"
     (top / "text").mkdir(parents=True)
@@ -203,8 +237,8 @@ def test_a_figure_in_a_comment_or_a_docstring_is_found_and_code_is_not(tmp_path)
 
 
 # --- docstrings name what exists ---------------------------------------------------------------------
-#: ``observe.render.mask_picture``, ``minillm.model.products.PLAN``: a package module and a name in it.
-REFERENCE = re.compile(r"(?<![\w.])(?:minillm\.)?((?:model|text|runtime|observe|sources|serve)\.\w+)\.(\w+)")
+#: ``observe.render.mask_picture``, ``minillm.kernels.products.PLAN``: a package module and a name in it.
+REFERENCE = re.compile(r"(?<![\w.])(?:minillm\.)?((?:model|kernels|text|runtime|observe|sources|serve)\.\w+)\.(\w+)")
 
 
 def dangling_references_in(text: str) -> list[str]:

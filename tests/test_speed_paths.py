@@ -1,9 +1,9 @@
 """The faster paths of issue 16's speed work compute what the plain paths compute.
 
-- ``model/products.py``: every few-rows formulation against NumPy's float64 product (a reference
+- ``kernels/products.py``: every few-rows formulation against NumPy's float64 product (a reference
   computed outside minillm's code paths), for the model's own shapes and 1 to 64 rows; the plan
   per BLAS kernel against the table written by hand from the measurements in the module docstring.
-- ``primitives.attention_in_chunks`` (prefill over more than 128 positions) against the one-call
+- ``kernels.attention.attention_in_chunks`` (prefill over more than 128 positions) against the one-call
   ``primitives.attention`` and against a float64 softmax attention written out here; a 300-token
   SmolLM2 prefill (every row, so the chunked path runs in every layer) against transformers, with
   the prefill's gate_up product plain and as ``products.left`` (``products.PREFILL_LEFT``).
@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 
 import minillm
-from minillm.model import primitives, products
+from minillm.kernels import products
+from minillm.kernels.attention import ATTENTION_CHUNK, attention_in_chunks
+from minillm.kernels.tuned import TUNED
+from minillm.model import primitives
 from minillm.runtime.sampling import top_candidates
 
 # SmolLM2-135M's matrices ([out, in]): q|k|v fused, o, gate|up fused, down, and a slice of the LM
@@ -71,15 +74,12 @@ def test_linear_takes_the_plan_only_inside_a_batched_pass(monkeypatch):
     seen = []
     monkeypatch.setattr(products, "few_rows_product", lambda x, w: seen.append(x.shape[0]) or x @ w.T)
     x, w = np.ones((8, 4), np.float32), np.ones((3, 4), np.float32)
-    primitives.linear(x, w)  # one sequence's forward: the plain product, as lesson 1 measured
-    token = primitives.BATCHED.set(True)
-    try:
-        primitives.linear(x, w)  # 8 rows in a batched pass: the plan
-        primitives.linear(x[:1], w)  # one row: a matrix-vector product either way
-        primitives.linear(np.ones((65, 4), np.float32), w)  # more than FEW_ROWS: the plain product
-    finally:
-        primitives.BATCHED.reset(token)
-    assert seen == [8]
+    TUNED.linear(x, w)  # one sequence's forward: the plain product, as lesson 1 measured
+    TUNED.linear(x, w, batched=True)  # 8 rows in a batched pass: the plan
+    TUNED.linear(x[:1], w, batched=True)  # one row: a matrix-vector product either way
+    TUNED.linear(np.ones((65, 4), np.float32), w, batched=True)  # more than FEW_ROWS: the plain product
+    TUNED.linear(x, (w, w), batched=True)  # a memory-mapped projection's parts: each by the plan
+    assert seen == [8, 8, 8]
 
 
 def _reference_attention(q, k, v, mask, scale):
@@ -105,7 +105,7 @@ def test_attention_in_chunks_is_attention(seq, offset, window):
         mask = primitives.causal_mask(seq, ctx, offset=offset)
     else:
         mask = primitives.sliding_window_mask(seq, ctx, offset=offset, window=window)
-    chunked = primitives.attention_in_chunks(q, k, v, mask, hd**-0.5)
+    chunked = attention_in_chunks(q, k, v, mask, hd**-0.5)
     whole, _ = primitives.attention(q, k, v, mask, hd**-0.5)
     assert np.abs(chunked - whole).max() < 1e-5  # float32 rounding: fewer zero terms in the sums
     assert np.abs(chunked - _reference_attention(q, k, v, mask, hd**-0.5)).max() < 1e-5
@@ -132,7 +132,7 @@ def test_a_long_prefill_through_chunked_attention_matches_transformers(smollm2, 
         monkeypatch.setitem(products.PREFILL_LEFT, products.blas_kernel(), frozenset({"gate_up"}))
         assert products.prefill_formulation("gate_up", 300) == "left"
     ids = np.random.default_rng(3).integers(0, smollm2.config.vocab_size, 300)
-    assert len(ids) > 2 * primitives.ATTENTION_CHUNK  # three chunks in every layer: 128, 128, 44
+    assert len(ids) > 2 * ATTENTION_CHUNK  # three chunks in every layer: 128, 128, 44
     cache = minillm.KVCache.for_model(smollm2.config, max_seq_len=300)
     ours = smollm2.transformer.forward(ids, cache)  # [300, vocab], every row
     with torch.no_grad():

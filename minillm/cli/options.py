@@ -97,6 +97,12 @@ def add_request_args(p: argparse.ArgumentParser, *, conversation: bool = False) 
         "gguf (the model's GGUF blocks kept packed, e.g. Q4_1). Norms stay float32; the math is float32",
     )
     p.add_argument(
+        "--kernels",
+        choices=("tuned", "plain"),
+        default="tuned",
+        help="the forward's products and attention: tuned (minillm/kernels, default) or plain (minillm/model)",
+    )
+    p.add_argument(
         "--kv-dtype",
         choices=("float32", "float16", "int8"),
         default="float32",

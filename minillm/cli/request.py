@@ -107,6 +107,7 @@ def load_for(args: argparse.Namespace, tracer):
         merge_adapters=args.adapter_mode == "merged",
         threads=args.threads,
         weight_dtype=args.weight_dtype,
+        kernels=args.kernels,
     )
     if args.command == "chat" and not model.tokenizer.chat_template:
         raise no_chat_template(model.name, args.model)

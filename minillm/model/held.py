@@ -10,8 +10,8 @@ tokens, and what each product pays to get float32 rows back::
     int8           int8 [rows, cols] + float32 scale [rows] q * scale (scale applied after the product)
     gguf           uint8 [rows, row_bytes] in GGUF blocks   quant.dequantize (Q4_1, Q4_K, ...)
 
-A float32 matrix stays a plain ``np.ndarray`` (``LayerWeights.project`` calls ``primitives.linear``
-on it, so float32 speed is what it was). The others are :class:`HeldMatrix` objects. Their product
+A float32 matrix stays a plain ``np.ndarray`` (the kernels' ``linear``, ``kernels.py``, multiplies
+it as it is, so float32 speed is what it was). The others are :class:`HeldMatrix` objects. Their product
 runs in chunks of rows: dequantize ``CHUNK_VALUES`` values (1 MiB of float32, small enough to stay
 in the CPU's cache), multiply, move on. So the float32 copy of a matrix never exists whole (a
 Gemma 3 LM head would be 640 MiB), and each chunk is read from the cache while still warm. Even so

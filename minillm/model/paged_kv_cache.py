@@ -119,6 +119,48 @@ class KVCachePool:
         """Blocks needed to hold ``positions`` positions: ``ceil(positions / block_size)``."""
         return -(-positions // self.block_size)
 
+    # --- addresses: where a position's key and value live -----------------------------------------
+    def slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Pool slots of ``positions``: ``table[p // block_size] * block_size + p % block_size``, int64.
+
+        ``table`` is one sequence's block table ``[blocks]`` (``positions`` ``[n]`` of it), or one
+        table per row ``[g, blocks]`` (``positions`` ``[g]``: one position of each row's sequence).
+        """
+        bs = self.block_size
+        blocks = table[positions // bs] if table.ndim == 1 else table[np.arange(len(table)), positions // bs]
+        return blocks * bs + positions % bs
+
+    def padded_tables(self, sequences: list[PagedSequence], lengths: np.ndarray) -> np.ndarray:
+        """Each sequence's first ``blocks_for(lengths[r])`` blocks, one row per sequence, padded with
+        block 0 to the longest: ``[g, max blocks]`` int64 (the padding's keys must be masked)."""
+        n_blocks = [self.blocks_for(int(n)) for n in lengths]  # blocks holding positions 0..n-1
+        tables = np.zeros((len(sequences), max(n_blocks)), dtype=np.int64)
+        for r, (seq, n) in enumerate(zip(sequences, n_blocks, strict=True)):
+            tables[r, :n] = seq.block_table[:n]
+        return tables
+
+    def write_slots(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Store ``k``, ``v`` ``[n_kv_heads, n, head_dim]`` at pool ``slots`` ``[n]`` of ``layer``."""
+        self.keys[layer][:, slots] = k
+        self.values[layer][:, slots] = v
+
+    def gather(self, layer: int, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every row's blocks of ``layer``'s keys and values, by block ``tables`` ``[g, blocks]``:
+        each ``[g, n_kv_heads, blocks * block_size, head_dim]`` (a view of one copy).
+
+        Whole blocks are copied by the block table, so no per-position slot index is built.
+        ``np.take`` and not ``blocks[:, tables]``: fancy indexing puts the indexed axes first in
+        memory and returns a strided view of that, which the reshape would copy a second time
+        (``python -m benchmarks.batching`` times the step either way)."""
+        return self._gather(self.keys[layer], tables), self._gather(self.values[layer], tables)
+
+    def _gather(self, pooled: np.ndarray, tables: np.ndarray) -> np.ndarray:
+        n_kv, _, hd = pooled.shape
+        g = tables.shape[0]
+        blocks = pooled.reshape(n_kv, self.num_blocks, -1)  # [n_kv_heads, num_blocks, block_size * hd], a view
+        gathered = np.take(blocks, tables, axis=1)  # [n_kv_heads, g, blocks, block_size * head_dim]: one copy
+        return gathered.reshape(n_kv, g, -1, hd).transpose(1, 0, 2, 3)  # [g, n_kv_heads, ctx, head_dim], a view
+
     def sequence(self, max_seq_len: int, identity: bytes = b"") -> PagedSequence:
         """A new, empty sequence of at most ``max_seq_len`` positions, holding no block yet; its
         blocks are named under ``identity`` (see :meth:`block_hashes`)."""
@@ -355,8 +397,7 @@ class PagedSequence:
     def slots(self, end: int) -> np.ndarray:
         """Pool slots of positions ``0..end-1`` ``[end]`` int64: ``table[p // bs] * bs + p % bs``."""
         if len(self._slots) != end:  # the same for every layer of one forward pass: computed once
-            bs, pos = self.pool.block_size, np.arange(end)
-            self._slots = np.asarray(self.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
+            self._slots = self.pool.slots(np.asarray(self.block_table, dtype=np.int64), np.arange(end))
         return self._slots
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

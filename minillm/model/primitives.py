@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
-
-from minillm.model import products
 
 
 # --- embeddings and norms -------------------------------------------------------------------------
@@ -215,7 +212,8 @@ def attention(
     k and v ``group`` times we fold the group into the query rows: one matmul per kv head.
     Leading axes are carried through: ``q`` ``[B, n_heads, seq, head_dim]``, ``k``/``v``
     ``[B, n_kv_heads, ctx, head_dim]`` and ``mask`` ``[B, 1, seq, ctx]`` attend ``B`` sequences
-    at once (the batched decode step: each its own keys, padded to one ``ctx``, and its own mask).
+    at once (the engine room's batched decode step, ``minillm/kernels/paged_decode.py``: each its own
+    keys, padded to one ``ctx``, and its own mask).
     """
     *lead, n_heads, seq, head_dim = q.shape
     n_kv_heads, ctx = k.shape[-3], k.shape[-2]
@@ -229,78 +227,16 @@ def attention(
     return z.reshape(*lead, n_heads, seq, head_dim), pattern
 
 
-#: Query rows per chunk in :func:`attention_in_chunks` (prefill): 128 rows' scores for 9 heads over
-#: 512 keys are 2.4 MB, near the L2 cache, instead of 9.4 MB for all 512 rows at once.
-ATTENTION_CHUNK = 128
-
-
-def attention_in_chunks(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float, chunk: int = ATTENTION_CHUNK
-) -> np.ndarray:
-    """:func:`attention` for a long ``seq``, ``chunk`` query rows at a time, each chunk over the keys
-    it can see: ``z`` ``[n_heads, seq, head_dim]`` only (no pattern).
-
-    Valid for causal and sliding-window masks, where query ``j`` (at position ``offset + j``) never
-    sees a key after its own position: the chunk of rows ``a..b-1`` needs keys ``0..offset+b-1``
-    only, so the masked upper triangle is never computed (about half the score and value FLOPs of
-    a 512-token prefill with 4 chunks: 5/8 of the square) and each chunk's scores stay in cache.
-    The work on the scores is cut the way FlashAttention cuts it (Dao et al. 2022, the deferred
-    "rescaling" of section 3.1), without its tiling of the keys:
-
-    - the mask is added to the chunk's own ``[rows, rows]`` tile only when every key before the
-      chunk is visible to all its rows (a causal mask; under a sliding window whose edge reaches
-      into the chunk, the whole row of keys takes the mask as before);
-    - the weights' row sums are a matrix-vector product, ``exp(s) @ 1`` (BLAS sums it faster
-      than ``np.sum`` over the last axis; the prefill is timed by ``python -m benchmarks.speed``);
-    - the division by that sum is applied to ``z`` (``head_dim`` values a row) instead of to the
-      weights (``ctx`` values a row): ``softmax(s) @ v = (exp(s) @ v) / sum(exp(s))``.
-
-    The same function as :func:`attention`, with float32 rounding in another order (within 1e-5 of
-    it here; the tests compare both with a float64 reference). Shapes as :func:`attention`.
-    """
-    *_, n_heads, seq, head_dim = q.shape
-    n_kv_heads, ctx = k.shape[-3], k.shape[-2]
-    group = n_heads // n_kv_heads
-    offset = mask.shape[-1] - seq  # positions cached before this call
-    ones = np.ones(ctx, dtype=np.float32)  # [ctx]: exp(scores) @ ones is each row's sum of weights
-    q = (q * np.float32(scale)).reshape(n_kv_heads, group, seq, head_dim)  # scale the smaller side
-    z = np.empty((n_kv_heads, group, seq, head_dim), dtype=np.float32)
-    for a in range(0, seq, chunk):
-        b = min(seq, a + chunk)
-        end = offset + b  # the last row of this chunk sees keys 0..end-1
-        rows = group * (b - a)
-        scores = q[:, :, a:b].reshape(n_kv_heads, rows, head_dim) @ np.swapaxes(k[:, :end], -1, -2)  # [kv, rows, end]
-        # Keys before the chunk are visible to every row when its last row sees key 0 (causal, or a
-        # window not yet reached); then only the diagonal tile holds masked entries.
-        tile = offset + a if mask[b - 1, 0] == 0 else 0
-        scores.reshape(n_kv_heads, group, b - a, end)[..., tile:] += mask[a:b, tile:end]
-        scores -= np.max(scores, axis=-1, keepdims=True)  # in place, as softmax does
-        np.exp(scores, out=scores)
-        weighted = (scores @ v[:, :end]).reshape(n_kv_heads, group, b - a, head_dim)  # unnormalised z
-        total = (scores @ ones[:end]).reshape(n_kv_heads, group, b - a, 1)  # [kv, group, rows, 1]
-        np.divide(weighted, total, out=z[:, :, a:b])
-    return z.reshape(n_heads, seq, head_dim)
-
-
 # --- projections, activations and MLPs ------------------------------------------------------------
-#: In a batched forward pass (``Transformer.forward_batch`` sets this), a product with 2 to
-#: ``products.FEW_ROWS`` rows takes ``products.few_rows_product`` (the fastest formulation measured
-#: for this BLAS kernel). A one-sequence ``forward`` never does; its products are the plain ones but
-#: for one: a prefill's ``gate_up`` under OpenBLAS's SkylakeX kernel, which ``LayerWeights.project``
-#: runs as ``products.left`` (``products.PREFILL_LEFT``; the same numbers to the bit).
-BATCHED: ContextVar[bool] = ContextVar("batched", default=False)
-
-
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
     """``x @ w.T (+ b)``, PyTorch's ``F.linear``: ``x`` ``[seq, in]``, ``w`` ``[out, in]``, ``b`` ``[out]``.
 
     ``w.T`` is a view (no copy): BLAS reads ``w``'s rows, so in decode each output is a dot
     product over contiguous memory (why this layout: ``weights.py``). One row is a matrix-vector
-    product; in a batched pass 2 to ``FEW_ROWS`` rows go through ``products.few_rows_product`` (the
-    same numbers, summed in another order: float32 rounding apart); otherwise one general product.
+    product, more rows one general product (the engine room's ``TunedKernels`` may take another
+    formulation of the same sums: ``minillm/kernels/products.py``).
     """
-    few = 1 < x.shape[0] <= products.FEW_ROWS and BATCHED.get()
-    y = products.few_rows_product(x, w) if few else x @ w.T  # [seq, in] @ [in, out] -> [seq, out]
+    y = x @ w.T  # [seq, in] @ [in, out] -> [seq, out]
     if b is not None:
         y += b  # in place: the product is a fresh array, no second allocation
     return y

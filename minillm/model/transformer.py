@@ -17,8 +17,10 @@ Read top to bottom: ``forward`` embeds the tokens and runs every ``decoder_layer
 
 ``prefill`` and ``decode_step`` (``runtime/steps.py``) both call ``forward``, feeding more or fewer
 positions from the cache's ``length`` (masks: the same rule with that offset). ``forward_batch``
-runs several sequences through the same layer: rows stacked, attention per sequence (``batch.py``).
-Families differ only by ``ModelConfig`` flags (``families.py``); the math is ``primitives.py``.
+is the same pass (:meth:`Transformer.run`) over several sequences' chunks: rows stacked, attention
+per sequence (``batch.py``). Families differ only by ``ModelConfig`` flags (``families.py``); the
+math is ``primitives.py``. Products and attention go through the model's ``kernels``
+(``kernels.py``: plain NumPy here; ``minillm.load`` gives the engine room's tuned ones).
 LoRA adds its low-rank paths inside ``LayerWeights.project`` (``lora.py``); capture is a ``hook``
 the blocks call with TransformerLens names (embed, resid_pre, q, k, v, rot_q, rot_k, pattern, z,
 attn_out, resid_mid, mlp_out, resid_post). Reference: transformers' ``models/*/modeling_*.py``.
@@ -32,9 +34,10 @@ import numpy as np
 
 from minillm.errors import InvalidRequestError
 from minillm.model import held, primitives
-from minillm.model.batch import Attend, BatchAttention
+from minillm.model.batch import Attend
 from minillm.model.config import ModelConfig
 from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
+from minillm.model.kernels import PLAIN, Kernels
 from minillm.model.kv_cache import KVCache
 from minillm.model.positions import PositionTables
 from minillm.model.weights import LayerWeights, Weights
@@ -50,9 +53,10 @@ class Transformer:
     serve request after request.
     """
 
-    def __init__(self, config: ModelConfig, weights: Weights):
+    def __init__(self, config: ModelConfig, weights: Weights, kernels: Kernels = PLAIN):
         self.config = config
         self.weights = weights
+        self.kernels = kernels  # linear, attention, batch attention: plain here, tuned from minillm/kernels
         self.act = primitives.ACTIVATIONS[config.hidden_act]
         self.positions = PositionTables(config)  # RoPE angles and masks per layer type (positions.py)
         self.layer_types, self.inv_freq = self.positions.layer_types, self.positions.inv_freq
@@ -92,32 +96,15 @@ class Transformer:
         Returns:
             float32 logits ``[seq, vocab]`` (``[1, vocab]`` with ``last_only``).
 
+        One chunk of the pass :meth:`forward_batch` runs (:meth:`run`), with the kernels' one-sequence
+        forms (no batched products; attention through ``SequenceAttention``).
+
         Raises:
+            InvalidRequestError: no tokens.
             KVCacheFullError: the cache has no room for ``seq`` more positions.
             KVCacheMismatchError: the cache was built for another model.
         """
-        token_ids = np.asarray(token_ids, dtype=np.int64)
-        seq = token_ids.shape[0]
-        start = 0
-        if cache is not None:
-            cache.check_compatible(self.config)
-            cache.check_room(seq)  # the one room check of a forward pass
-            start = cache.length
-        positions = np.arange(start, start + seq)  # [seq]
-        attend = SequenceAttention(self, positions, cache)  # this sequence's RoPE angles, masks and cache
-
-        x = self.embed(token_ids, positions)  # [seq, d_model]
-        if capture is not None:
-            capture["embed"] = x
-        for i, layer in enumerate(self.weights.layers):
-            hook = None if capture is None else _recorder(capture, f"blocks.{i}.")
-            x = self.decoder_layer(i, x, layer, attend, hook)
-        if cache is not None:
-            cache.advance(seq)
-
-        if last_only:
-            x = x[-1:]  # [1, d_model]
-        return self.head(x)
+        return self.run([(token_ids, cache)], batched=False, last_rows=[1] if last_only else None, capture=capture)
 
     def forward_batch(
         self,
@@ -133,7 +120,7 @@ class Transformer:
         projection reads its weights once for the whole batch (``[rows, d_model] @ W.T``); that is
         what batching buys, as the weights dominate a decode step's memory traffic. Attention alone
         runs per sequence, over that sequence's own cached keys and values with its own causal mask
-        (``batch.BatchAttention``): rows of different sequences never see each other. Each row gets
+        (``kernels.batch_attention``): rows of different sequences never see each other. Each row gets
         the same numbers as :meth:`forward` on that sequence alone, up to float32 rounding of the
         products (BLAS sums a matrix product in another order than a matrix-vector product).
 
@@ -157,33 +144,54 @@ class Transformer:
         """
         if not chunks:
             raise InvalidRequestError("forward_batch got no sequences; pass at least one (token_ids, cache) pair.")
-        ids = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in chunks]
-        caches = [cache for _, cache in chunks]
-        sequences, positions = [], []
-        for j, (token_ids, cache) in enumerate(zip(ids, caches, strict=True)):
-            if len(token_ids) == 0:
-                raise InvalidRequestError(f"forward_batch: sequence {j} has no tokens; feed at least one per sequence.")
-            cache.check_compatible(self.config)
-            cache.check_room(len(token_ids))
-            positions.append(np.arange(cache.length, cache.length + len(token_ids)))  # [seq_j]
-            sequences.append(SequenceAttention(self, positions[-1], cache))
-        bounds = np.cumsum([0] + [len(t) for t in ids])  # sequence j owns rows bounds[j]:bounds[j+1]
-        attend = BatchAttention(self.config, self.positions, sequences, caches, bounds)
+        if last_rows is None and not all_logits:
+            last_rows = [1] * len(chunks)  # each sequence's last row: what sampling needs
+        return self.run(chunks, batched=True, last_rows=last_rows)
 
-        batched = primitives.BATCHED.set(True)  # products with few rows take few_rows_product
-        try:
-            x = self.embed(np.concatenate(ids), np.concatenate(positions))  # [rows, d_model]
-            for i, layer in enumerate(self.weights.layers):
-                x = self.decoder_layer(i, x, layer, attend)
-            for token_ids, cache in zip(ids, caches, strict=True):
+    def run(self, chunks, *, batched: bool, last_rows: Sequence[int] | None, capture=None) -> np.ndarray:
+        """The one forward pass over ``chunks`` (``(token_ids [seq_j], cache or None)`` each): every
+        chunk's rows stacked into one ``[rows, d_model]`` residual stream, every layer, the head.
+
+        ``batched``: the rows are a batch's (the kernels may take their few-rows products, and
+        attention is ``kernels.batch_attention``); False: one sequence, attended by its own
+        :class:`SequenceAttention`. ``last_rows``: logits of each chunk's last ``last_rows[j]`` rows,
+        ``[sum(last_rows), vocab]``; None: every row, ``[rows, vocab]``. ``capture``: as :meth:`forward`.
+        """
+        ids, positions, sequences = self._chunks(chunks)
+        caches = [cache for _, cache in chunks]
+        bounds = np.cumsum([0] + [len(t) for t in ids])  # chunk j owns rows bounds[j]:bounds[j+1]
+        attend = self.kernels.batch_attention(self, sequences, caches, bounds) if batched else sequences[0]
+
+        x = self.embed(np.concatenate(ids), np.concatenate(positions))  # [rows, d_model]
+        if capture is not None:
+            capture["embed"] = x
+        for i, layer in enumerate(self.weights.layers):
+            hook = None if capture is None else _recorder(capture, f"blocks.{i}.")
+            x = self.decoder_layer(i, x, layer, attend, hook, batched=batched)
+        for token_ids, cache in zip(ids, caches, strict=True):
+            if cache is not None:
                 cache.advance(len(token_ids))
-            if last_rows is not None:  # [sum(last_rows), d_model]: each sequence's last rows, in order
-                x = x[np.concatenate([np.arange(b - m, b) for b, m in zip(bounds[1:], last_rows, strict=True)])]
-            elif not all_logits:
-                x = x[bounds[1:] - 1]  # [n_sequences, d_model]: each sequence's last row
-            return self.head(x)
-        finally:
-            primitives.BATCHED.reset(batched)
+        if last_rows is not None:  # [sum(last_rows), d_model]: each chunk's last rows, in order
+            x = x[np.concatenate([np.arange(end - m, end) for end, m in zip(bounds[1:], last_rows, strict=True)])]
+        return self.head(x, batched=batched)
+
+    def _chunks(self, chunks) -> tuple[list[np.ndarray], list[np.ndarray], list[SequenceAttention]]:
+        """Each chunk's ids ``[seq_j]`` int64, positions ``cache.length..+seq_j`` and attention; every
+        cache checked (the one room check of a forward pass)."""
+        ids, positions, sequences = [], [], []
+        for j, (token_ids, cache) in enumerate(chunks):
+            token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+            if len(token_ids) == 0:
+                raise InvalidRequestError(f"sequence {j} of this forward pass has no tokens; feed at least one.")
+            start = 0
+            if cache is not None:
+                cache.check_compatible(self.config)
+                cache.check_room(len(token_ids))
+                start = cache.length
+            ids.append(token_ids)
+            positions.append(np.arange(start, start + len(token_ids)))  # [seq_j]
+            sequences.append(SequenceAttention(self, positions[-1], cache))  # its RoPE angles, masks and cache
+        return ids, positions, sequences
 
     # --- the pieces of a forward pass ---------------------------------------------------------------
     def embed(self, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -196,28 +204,32 @@ class Transformer:
             x = x + w.pos_embed[positions]
         return x
 
-    def head(self, x: np.ndarray) -> np.ndarray:
+    def head(self, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
         """The residual stream ``[seq, d_model]`` -> logits ``[seq, vocab]``: final norm, LM head, soft-cap."""
         cfg, w = self.config, self.weights
         x = self.norm(x, w.final_norm, w.final_norm_bias)
-        logits = held.linear(x, w.lm_head)  # [seq, d_model] @ [d_model, vocab] -> [seq, vocab], however held
+        logits = self.kernels.linear(x, w.lm_head, projection="lm_head", batched=batched)  # [seq, vocab]
         if cfg.final_logit_softcapping is not None:
             logits = primitives.softcap(logits, cfg.final_logit_softcapping)
         return logits
 
-    def decoder_layer(self, i, x, layer: LayerWeights, attend: Attend, hook: Hook | None = None) -> np.ndarray:
+    def decoder_layer(
+        self, i, x, layer: LayerWeights, attend: Attend, hook: Hook | None = None, *, batched: bool = False
+    ) -> np.ndarray:
         """Decoder block ``i``: ``x + attention(norm(x))``, then ``+ mlp(norm(.))``; ``x`` ``[seq, d_model]``
         in, the same shape out. ``attend`` does the per-sequence part of attention (RoPE, the cache,
-        the mask): a :class:`SequenceAttention` for one sequence, a ``batch.BatchAttention`` for many.
+        the mask): a :class:`SequenceAttention` for one sequence, ``kernels.batch_attention``'s for many.
+        ``batched``: the rows are a batch's (passed on to the kernels' products).
         """
         cfg = self.config
         attn_out = self.attention_block(
-            i, self.norm(x, layer.attn_norm, layer.attn_norm_bias), layer, attend, hook
+            i, self.norm(x, layer.attn_norm, layer.attn_norm_bias), layer, attend, hook, batched=batched
         )  # [seq, d_model]
         if cfg.post_norms:  # Gemma: normalise what attention adds
             attn_out = self.norm(attn_out, layer.attn_post_norm)
         resid_mid = x + attn_out
-        mlp_out = self.mlp_block(self.norm(resid_mid, layer.mlp_norm, layer.mlp_norm_bias), layer)  # [seq, d_model]
+        h = self.norm(resid_mid, layer.mlp_norm, layer.mlp_norm_bias)
+        mlp_out = self.mlp_block(h, layer, batched=batched)  # [seq, d_model]
         if cfg.post_norms:
             mlp_out = self.norm(mlp_out, layer.mlp_post_norm)
         resid_post = resid_mid + mlp_out
@@ -225,13 +237,15 @@ class Transformer:
             hook(resid_pre=x, attn_out=attn_out, resid_mid=resid_mid, mlp_out=mlp_out, resid_post=resid_post)
         return resid_post
 
-    def attention_block(self, i, h, layer: LayerWeights, attend: Attend, hook: Hook | None = None) -> np.ndarray:
+    def attention_block(
+        self, i, h, layer: LayerWeights, attend: Attend, hook: Hook | None = None, *, batched: bool = False
+    ) -> np.ndarray:
         """Self-attention over the normed ``h`` ``[seq, d_model]`` -> what it adds, ``[seq, d_model]``:
         q, k, v from one fused projection (every row at once), ``attend`` per sequence, then the
         output projection (every row at once)."""
-        qkv = layer.project("qkv", h)  # [seq, q_dim + 2 kv_dim]
+        qkv = layer.project("qkv", h, self.kernels, batched=batched)  # [seq, q_dim + 2 kv_dim]
         z = attend(i, layer, qkv, hook)  # [seq, q_dim]
-        return layer.project("o", z)  # [seq, d_model]
+        return layer.project("o", z, self.kernels, batched=batched)  # [seq, d_model]
 
     def attention(self, i, layer: LayerWeights, qkv, rope, mask, cache=None, hook: Hook | None = None) -> np.ndarray:
         """One sequence's attention in layer ``i``: ``qkv`` ``[seq, q_dim + 2 kv_dim]`` -> ``z``
@@ -247,39 +261,45 @@ class Transformer:
         q = q.reshape(seq, n_heads, hd).transpose(1, 0, 2)  # [n_heads, seq, head_dim]
         k = k.reshape(seq, n_kv, hd).transpose(1, 0, 2)  # [n_kv_heads, seq, head_dim]
         v = v.reshape(seq, n_kv, hd).transpose(1, 0, 2)  # [n_kv_heads, seq, head_dim]
-        rot_q, rot_k = q, k
-        if cfg.qk_norm:  # each head's q and k to unit RMS, before RoPE
-            rot_q = primitives.rms_norm(rot_q, layer.q_norm, cfg.norm_eps)
-            rot_k = primitives.rms_norm(rot_k, layer.k_norm, cfg.norm_eps)
-        if rope is not None:
-            cos, sin = rope
-            rot_q = primitives.apply_rope(rot_q, cos, sin)
-            rot_k = primitives.apply_rope(rot_k, cos, sin)
+        rot_q, rot_k = self.rotate(layer, q, k, rope)
         # the cache keeps keys already rotated: a key's position never changes
         keys, values = (rot_k, v) if cache is None else cache.write(i, rot_k, v)  # [n_kv_heads, ctx, head_dim]
-        if hook is None and seq > primitives.ATTENTION_CHUNK:  # long prefill: causal chunks, scores in cache
-            z = primitives.attention_in_chunks(rot_q, keys, values, mask, cfg.attn_scale)  # [n_heads, seq, head_dim]
-        else:
-            z, pattern = primitives.attention(rot_q, keys, values, mask, cfg.attn_scale)  # [n_heads, seq, head_dim]
-        if hook is not None:
+        if hook is None:
+            z = self.kernels.attention(rot_q, keys, values, mask, cfg.attn_scale)  # [n_heads, seq, head_dim]
+        else:  # capture: the probabilities too, which only the one-call form has
+            z, pattern = primitives.attention(rot_q, keys, values, mask, cfg.attn_scale)
             named = {"q": q, "k": k, "v": v, "rot_q": rot_q, "rot_k": rot_k, "pattern": pattern, "z": z}
             hook(**{"attn." + name: value for name, value in named.items()})
         return z.transpose(1, 0, 2).reshape(seq, cfg.q_dim)  # [seq, n_heads * head_dim]
 
-    def mlp_block(self, h: np.ndarray, layer: LayerWeights) -> np.ndarray:
+    def rotate(self, layer: LayerWeights, q: np.ndarray, k: np.ndarray, rope) -> tuple[np.ndarray, np.ndarray]:
+        """QK-norm (Qwen 3, Gemma 3: each head's q and k to unit RMS) then RoPE on ``q``, ``k``
+        ``[..., heads, seq, head_dim]``; ``rope``: (cos, sin) broadcasting to them, None without RoPE."""
+        cfg = self.config
+        if cfg.qk_norm:
+            q = primitives.rms_norm(q, layer.q_norm, cfg.norm_eps)
+            k = primitives.rms_norm(k, layer.k_norm, cfg.norm_eps)
+        if rope is not None:
+            cos, sin = rope
+            q = primitives.apply_rope(q, cos, sin)
+            k = primitives.apply_rope(k, cos, sin)
+        return q, k
+
+    def mlp_block(self, h: np.ndarray, layer: LayerWeights, *, batched: bool = False) -> np.ndarray:
         """The family's MLP on the normed ``h`` ``[seq, d_model]`` -> ``[seq, d_model]``.
 
         Gated (SwiGLU with SiLU, GeGLU with GELU; Shazeer 2020): ``down(act(gate(h)) * up(h))``.
         Plain (GPT-2): ``down(act(up(h)))``.
         """
         if self.config.mlp is MlpKind.GATED:
-            gate_up = layer.project("gate_up", h)  # [seq, 2 * ffn]: gate | up
+            gate_up = layer.project("gate_up", h, self.kernels, batched=batched)  # [seq, 2 * ffn]: gate | up
             ffn = self.config.intermediate_size
             gate, up = gate_up[:, :ffn], gate_up[:, ffn:]  # each [seq, ffn], views
             act = self.act(gate)  # a fresh array: multiplied by up in place
             act *= up
-            return layer.project("down", act)
-        return layer.project("down", self.act(layer.project("up", h)))
+            return layer.project("down", act, self.kernels, batched=batched)
+        up = layer.project("up", h, self.kernels, batched=batched)
+        return layer.project("down", self.act(up), self.kernels, batched=batched)
 
 
 class SequenceAttention:

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
-from minillm.model import primitives, products
 from minillm.model.config import ModelConfig
 from minillm.model.families import MlpKind, NormKind, PositionKind
 from minillm.model.held import HeldMatrix, hold
+from minillm.model.kernels import PLAIN, Kernels
 from minillm.model.tensor_reader import TensorReader, WeightBlock, read_tensors
 from minillm.sources.safetensors_file import weight_files
 
@@ -79,33 +79,19 @@ class LayerWeights:
             elif isinstance(a, tuple):  # a memory-mapped projection: its parts
                 yield from a
 
-    def project(self, name: str, x: np.ndarray) -> np.ndarray:
+    def project(self, name: str, x: np.ndarray, kernels: Kernels = PLAIN, *, batched: bool = False) -> np.ndarray:
         """``x @ W.T (+ b)`` for projection ``name`` (``"qkv"``, ``"o"``, ``"gate_up"``, ``"up"``,
         ``"down"``): ``x`` ``[seq, in]`` -> ``[seq, out]``, plus the low-rank path of every active
         unmerged LoRA adapter on it (each a :class:`~minillm.model.lora.LoraDelta`, adding
         ``[seq, rows]`` to its own output rows).
 
-        A float32 matrix is an array and goes straight to ``primitives.linear`` (a prefill's
-        ``gate_up`` under OpenBLAS's SkylakeX kernel as ``products.left``: ``PREFILL_LEFT``); a matrix held in
-        another format (``held.py``: bfloat16, int8, GGUF blocks) gives float32 rows chunk by chunk;
-        a memory-mapped load (``mmap=True``) keeps the file's separate matrices, one product each.
+        The product is ``kernels.linear`` (``kernels.py``; the model's kernels, plain by default),
+        told the projection's name and whether the rows are a batch's (``batched``). However the
+        matrix is held (a float32 array, ``held.py``'s formats, a memory-mapped tuple of parts),
+        ``linear`` takes it.
         """
         weight, bias = _PROJECTIONS[name]
-        w, b = getattr(self, weight), getattr(self, bias)
-        if isinstance(w, np.ndarray):
-            if products.prefill_formulation(name, x.shape[0]) == "left":  # a prefill's gate_up, SkylakeX
-                y = products.left(x, w)  # [seq, out], column-major
-                if b is not None:
-                    y = y + b
-            else:
-                y = primitives.linear(x, w, b)
-        else:
-            if isinstance(w, tuple):  # memory-mapped: q, k, v (or gate, up) as the file keeps them
-                y = np.concatenate([primitives.linear(x, part) for part in w], axis=-1)  # [seq, out]
-            else:
-                y = w.linear(x)  # [seq, out]
-            if b is not None:
-                y += b
+        y = kernels.linear(x, getattr(self, weight), getattr(self, bias), projection=name, batched=batched)
         if self.lora:  # unmerged adapters: each adds its path to its own rows
             for path in self.lora.get(weight, ()):
                 y[:, path.rows] += path(x)

@@ -130,9 +130,11 @@ def _candidates(model, probs: np.ndarray | None) -> list[tuple[str, float]]:
 
 
 def load(model, seconds: dict[str, float], others_cpu_share: float = float("nan")) -> dict[str, Any]:
-    """The load phase: where the model came from, its config rows, weights, tokenizer, BLAS, and
-    the share (0..1) of the cores other processes used meanwhile (NaN when unknown)."""
+    """The load phase: where the model came from, its config rows, weights, tokenizer, BLAS, the
+    kernels the forward runs (``{"name": "tuned", "source": "minillm/kernels"}``), and the share
+    (0..1) of the cores other processes used meanwhile (NaN when unknown)."""
     weights, tok, resolved = model.transformer.weights, model.tokenizer, model.resolved
+    kernels = getattr(model.transformer, "kernels", None)  # a scripted stand-in may have none
     return dict(
         name=model.name,
         source=resolved.source,
@@ -142,6 +144,7 @@ def load(model, seconds: dict[str, float], others_cpu_share: float = float("nan"
         seconds=seconds,
         others_cpu_share=others_cpu_share,
         blas=blas_summary(),
+        kernels=None if kernels is None else {"name": kernels.name, "source": kernels.source},
         adapters=[a.summary() for a in model.adapters],
         weights={
             "parameters": weights.num_parameters,

@@ -124,6 +124,8 @@ class Renderer:
         c.print("seconds per step: " + ", ".join(f"{k} {v:.2f}" for k, v in d["seconds"].items()))
         for blas in d.get("blas", []):
             c.print(f"BLAS: {escape(blas)}")
+        if k := d.get("kernels"):
+            c.print(f"kernels: {escape(k['name'])} ({escape(k['source'])})")
 
     def _attach(self, e: TraceEvent) -> None:
         d = e.data

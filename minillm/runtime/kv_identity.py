@@ -2,7 +2,7 @@
 
 A paged pool names a full block by a hash chained over token ids (``paged_kv_cache.py``). The same
 ids give other keys and values under another model, another precision of its weights, other LoRA
-adapters or scales, another KV dtype, or another BLAS kernel or thread count (another order of
+adapters or scales, another KV dtype, other kernels, or another BLAS kernel or thread count (another order of
 the sums, so other float32 roundings). :func:`kv_identity` turns all of these into 16 bytes that
 start the chain, so a block is found again only under the very setting that computed it (vLLM
 mixes its LoRA id into the first block's hash the same way).
@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from minillm.model.products import blas_kernel, blas_threads
+from minillm.kernels.products import blas_kernel, blas_threads
 from minillm.runtime.loading import Model
 
 
@@ -24,7 +24,8 @@ def kv_identity(model: Model, kv_dtype: str = "float32") -> bytes:
     never share), the weights' precision (``weight_dtype``: float32, bfloat16, int8, gguf), adapters
     merged at load (name, folder, scale), the active unmerged LoRA deltas (per layer and weight:
     module, rows, rank, scale, and the adapter they belong to), ``kv_dtype`` (how the pool holds
-    entries), the BLAS kernel and its thread count.
+    entries), the kernels (plain or tuned: other formulations sum in another order), the BLAS kernel
+    and its thread count.
     """
     weights = model.transformer.weights
     owner = {id(d): (a.name, str(a.path)) for a in model.adapters for d in a.deltas}
@@ -41,6 +42,7 @@ def kv_identity(model: Model, kv_dtype: str = "float32") -> bytes:
         "merged": merged,
         "active": active,
         "kv_dtype": kv_dtype,
+        "kernels": model.transformer.kernels.name,
         "blas": [blas_kernel(), blas_threads()],
     }
     text = json.dumps(facts, sort_keys=True, default=str).encode("utf-8")

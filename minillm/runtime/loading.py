@@ -11,8 +11,10 @@ import os
 import time
 
 from minillm.errors import InvalidRequestError
+from minillm.kernels.tuned import TUNED
 from minillm.model.config import ModelConfig
 from minillm.model.gguf_weights import load_gguf_weights
+from minillm.model.kernels import PLAIN, Kernels
 from minillm.model.kv_cache import KVCache
 from minillm.model.lora import LoraAdapter, activate, load_adapter, merge
 from minillm.model.transformer import Transformer
@@ -37,6 +39,7 @@ def load(
     threads: int | None = None,
     weight_dtype: str = "float32",
     mmap: bool = False,
+    kernels: str = "tuned",
 ) -> Model:
     """Load a model by manifest name (fetched and cached on first use) or from a local folder.
 
@@ -68,9 +71,14 @@ def load(
             default): loading reads only the headers, and the first forward pass pages every
             weight in from the page cache or the disk. That cost lands on the first request unless
             a warm-up pays it (lesson 8 measures both). Float32 files only.
+        kernels: which implementation of the forward's tuned operations (products, attention, a
+            batch's decode attention) the model runs: ``"tuned"`` (``minillm/kernels``: the fastest
+            formulations for this BLAS kernel) or ``"plain"`` (``minillm/model/kernels.py``: the
+            textbook's NumPy). The same numbers within float32 rounding (``tests/test_kernels.py``).
 
     Raises:
-        InvalidRequestError: ``threads`` is not a whole number >= 1; an unknown ``weight_dtype``;
+        InvalidRequestError: ``threads`` is not a whole number >= 1; an unknown ``weight_dtype`` or
+            ``kernels``;
             ``weight_dtype="gguf"`` with adapters to merge; ``mmap=True`` with adapters to merge (a
             read-only map cannot be written: pass ``merge_adapters=False``) or with a ``weight_dtype``
             other than float32 (a map is the file's own float32 bytes).
@@ -81,6 +89,7 @@ def load(
     """
     from minillm.sources.manifest import default_model_name
 
+    chosen = kernels_named(kernels)
     set_blas_threads(threads)
     check_weight_dtype(weight_dtype, adapters=bool(adapters), merge_adapters=merge_adapters)
     if mmap and adapters and merge_adapters:
@@ -111,7 +120,7 @@ def load(
     ta = time.perf_counter()
     tokenizer = Tokenizer.from_folder(resolved.path)
     t3 = time.perf_counter()
-    transformer = Transformer(config, weights)
+    transformer = Transformer(config, weights, chosen)
     t4 = time.perf_counter()
     # Seconds per step: what resolving did (fetch / verify / extract / convert, when it ran), then
     # reading the weights, laying them out, the tokenizer, and allocating the model's tables.
@@ -139,6 +148,22 @@ def load(
 
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "gguf")
+#: ``load(..., kernels=)`` -> the kernels the model holds (``model/kernels.py``'s seam).
+KERNELS: dict[str, Kernels] = {"tuned": TUNED, "plain": PLAIN}
+
+
+def kernels_named(name: str) -> Kernels:
+    """The kernels ``load(..., kernels=name)`` gives the model.
+
+    Raises:
+        InvalidRequestError: ``name`` is neither ``"tuned"`` nor ``"plain"``.
+    """
+    if not isinstance(name, str) or name not in KERNELS:
+        raise InvalidRequestError(
+            f"kernels must be 'tuned' (minillm/kernels: the fastest formulations) or 'plain' (minillm/model: "
+            f"the textbook's NumPy); got {name!r}."
+        )
+    return KERNELS[name]
 
 
 def check_weight_dtype(weight_dtype: str, *, adapters: bool = False, merge_adapters: bool = True) -> None:

@@ -117,7 +117,7 @@ PLAN: dict[str, dict[int, tuple[tuple[int, str], ...]]] = {
 
 
 #: Prefill (more than :data:`FEW_ROWS` rows): the projections that take ``left`` under a kernel,
-#: by name (``LayerWeights.project``'s). Under SkylakeX ``W_gate_up @ x.T`` (``[3072, 576] @
+#: by name (the ``projection`` ``TunedKernels.linear`` is told). Under SkylakeX ``W_gate_up @ x.T`` (``[3072, 576] @
 #: [576, 512]``) runs faster than ``x @ W.T``, and its column-major result costs nothing
 #: downstream: SiLU and the product with ``up`` are elementwise on it, and ``down`` reads it as a
 #: transposed operand; a whole prefill gains, the same numbers to the bit. ``qkv`` and ``o`` gain as
@@ -128,7 +128,7 @@ PREFILL_LEFT: dict[str, frozenset[str]] = {"SkylakeX": frozenset({"gate_up"})}
 
 
 def prefill_formulation(name: str, rows: int, kernel: str | None = None) -> str:
-    """The formulation ``LayerWeights.project`` uses for projection ``name`` (``"qkv"``,
+    """The formulation ``TunedKernels.linear`` uses for projection ``name`` (``"qkv"``,
     ``"gate_up"``, ...) over ``rows`` rows when they are more than :data:`FEW_ROWS` (a prefill):
     ``"left"`` where :data:`PREFILL_LEFT` lists it for ``kernel`` (default: this process's),
     else ``"plain"``."""
