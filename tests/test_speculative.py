@@ -228,20 +228,21 @@ def test_eos_inside_an_accepted_run(word_model):
         def propose(self, tokens, k, choose):
             return [1, 3, 3][:k], None  # EOS, then tokens that must never be emitted
 
-    real = model.transformer.forward
+    real = model.transformer.forward_batch  # a verification is a batched pass over [last, d1 .. dk]
 
-    def forward(token_ids, cache=None, **kw):
-        out = real(token_ids, cache, **kw)
-        if len(token_ids) > 1 and cache is not None and cache.length > len(prompt_ids):  # a verification
+    def forward_batch(chunks, **kw):
+        out = real(chunks, **kw)
+        ((token_ids, cache),) = chunks
+        if len(token_ids) > 1 and cache.length > len(prompt_ids):  # a verification
             out[:] = logits_eos
             out[0, 1] = 5.0  # argmax after [last]: EOS (id 1)
         return out
 
-    model.transformer.forward = forward
+    model.transformer.forward_batch = forward_batch
     try:
         r = minillm.generate(model, "AB C", max_new_tokens=10, speculative=Speculative(EndsSoon(), num_tokens=3))
     finally:
-        del model.transformer.forward
+        del model.transformer.forward_batch
     assert r.ids[-1] == 1 and r.stop_reason is minillm.StopReason.EOS
     assert r.metrics.accepted_tokens == 1 and len(r.ids) == 2  # the first token, then the accepted EOS
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 from minillm.errors import InvalidRequestError
-from minillm.model import primitives
 from minillm.model.kv_cache import KVCache
 from minillm.runtime import sampling
 from minillm.runtime.loaded_model import Model
@@ -106,17 +105,15 @@ def verify_step(model: Model, token_id: int, drafted, cache: KVCache) -> np.ndar
     Returns:
         float32 logits ``[k + 1, vocab]``: row ``i`` scores the token after the first ``i`` drafts.
 
-    The ``k + 1`` rows take the batched pass's few-rows products (``primitives.BATCHED``): a short
-    product costs about what one row costs there, which is what makes verifying cheap.
+    The ``k + 1`` rows go through the batched pass (``forward_batch``), so the model's kernels may
+    take their few-rows products: a short product costs about what one row costs there, which is
+    what makes verifying cheap.
 
     Raises:
         KVCacheFullError: no room for ``k + 1`` more positions.
     """
-    batched = primitives.BATCHED.set(True)
-    try:
-        return model.transformer.forward(np.array([token_id, *drafted], dtype=np.int64), cache)  # [k + 1, vocab]
-    finally:
-        primitives.BATCHED.reset(batched)
+    ids = np.array([token_id, *drafted], dtype=np.int64)
+    return model.transformer.forward_batch([(ids, cache)], all_logits=True)  # [k + 1, vocab]
 
 
 def sample(
