@@ -54,7 +54,11 @@ def test_ui_without_its_file_is_a_404_naming_why(tmp_path, monkeypatch):
     from minillm.serve import app as app_module
 
     monkeypatch.setattr(app_module, "UI_PAGE", tmp_path / "missing" / "ui.html")
-    worker = SimpleNamespace(metrics=SimpleNamespace(), events=EventBus())
+    from minillm.serve.metrics import ServerMetrics
+    from minillm.serve.reliability import Guard
+
+    metrics = ServerMetrics()
+    worker = SimpleNamespace(metrics=metrics, events=EventBus(), guard=Guard(metrics))
     r = TestClient(app_module.create_app(worker, MODEL)).get("/ui")
     assert r.status_code == 404
     error = r.json()["error"]
@@ -179,13 +183,14 @@ def test_slow_motion_holds_one_request_and_pool_equals_metrics(server):
     url, _ = server
     reader = Reader(url)
     time.sleep(0.3)
+    replayed = len(reader.events)  # what the ring still held of earlier tests' requests
     before = metrics(url)
     done = {}
     t = threading.Thread(target=lambda: done.update(chat(url, "Say yes.", 3, slow_motion_s=2.0)))
     t.start()
     # while the only request sits out its 2 s, the pool cannot change: its last event equals /metrics
-    reader.wait(lambda evs: any(e["type"] == "pool" and e["blocks_used"] > 0 for _, e in evs))
-    pool = [e for _, e in reader.events if e["type"] == "pool"][-1]
+    reader.wait(lambda evs: any(e["type"] == "pool" and e["blocks_used"] > 0 for _, e in evs[replayed:]))
+    pool = [e for _, e in reader.events[replayed:] if e["type"] == "pool"][-1]
     now = metrics(url)
     assert pool["blocks_used"] * pool["bytes_per_block"] == now["minillm_kv_cache_bytes_reserved"]
     assert pool["blocks_used"] == sum(len(t) for t in pool["tables"].values()) - _shared(pool["tables"])
