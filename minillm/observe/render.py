@@ -400,7 +400,7 @@ class Renderer:
                 f"{calibration['gemm_gflop_s']:.0f} GFLOP/s GEMM"
                 + ("" if share != share else f"; others used {share:.0%} of the cores while measuring")
                 + (f"; measured just now in {calibration['seconds']:.1f} s" if calibration.get("measured_now") else "")
-                + ("; on a busy machine: not kept, measured again next time" if calibration.get("busy") else "")
+                + ("; on a busy machine: not kept, the next run measures again" if calibration.get("busy") else "")
                 + "; `minillm calibrate` redoes it)[/]"
             )
         if not d["findings"]:
