@@ -139,13 +139,13 @@ def test_logit_bias_plus_100_yields_the_id_at_every_step(smollm2):
 
 @pytest.mark.slow
 def test_frequency_penalty_counts_generated_ids_not_the_prompt(smollm2):
-    prompt = "apple apple apple apple apple apple"
-    plain = minillm.generate(smollm2, prompt, max_new_tokens=6)
+    prompt = "apple, apple, apple, apple, apple,"
+    plain = minillm.generate(smollm2, prompt, SamplingParams(temperature=0), max_new_tokens=8)
     apple = plain.ids[0]
-    assert plain.ids.count(apple) >= 3  # greedy repeats the word
-    # the prompt's six apples do not count: the first token is the same; repeats are then penalised
+    assert smollm2.tokenizer.decode([apple]) == " apple" and plain.ids.count(apple) >= 3  # greedy repeats it
+    # the prompt's five apples do not count: the first token is the same; repeats are then penalised
     penalised = minillm.generate(smollm2, prompt, SamplingParams(temperature=0, frequency_penalty=2.0),
-                                 max_new_tokens=6)
+                                 max_new_tokens=8)
     assert penalised.ids[0] == apple and penalised.ids.count(apple) < plain.ids.count(apple)
     # the repetition penalty counts the prompt: the first token changes
     assert minillm.generate(smollm2, prompt, SamplingParams(temperature=0, repetition_penalty=3.0),
