@@ -281,12 +281,15 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
             "minillm_test_fault is a test hook: start the server with --test-faults to use it",
             param="minillm_test_fault",
         )
-    if guard.token_bytes is None:
-        guard.token_bytes = max_token_bytes(worker.model.tokenizer)
-    context = slots[body.model].context if slots is not None else worker.context
-    if (message := prompt_too_long(prompt, context, guard.token_bytes)) is not None:
-        guard.counters.refused.labels(reason="prompt_too_long").inc()
-        raise APIError(400, message, param="messages" if chat else "prompt", code="context_length_exceeded")
+    target = slots[body.model] if slots is not None else worker  # the model the request names
+    context = target.context
+    if target.model is not None:  # loaded: a prompt too long in bytes is refused before tokenizing
+        tokenizer = target.model.tokenizer
+        if guard.token_bytes is None or guard.token_bytes[0] is not tokenizer:
+            guard.token_bytes = (tokenizer, max_token_bytes(tokenizer))
+        if (message := prompt_too_long(prompt, context, guard.token_bytes[1])) is not None:
+            guard.counters.refused.labels(reason="prompt_too_long").inc()
+            raise APIError(400, message, param="messages" if chat else "prompt", code="context_length_exceeded")
     if max_tokens is not None and max_tokens > context:
         raise APIError(
             400,

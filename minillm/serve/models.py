@@ -37,7 +37,9 @@ from minillm.runtime.loading import WEIGHT_DTYPES, run_warmup
 from minillm.runtime.memory_plan import MIB, MemoryPlan, format_bytes, make_plan, measured_overhead
 from minillm.runtime.scheduler import Scheduler
 
+from .events import EventBus
 from .metrics import LATENCY_BUCKETS, ServerMetrics
+from .reliability import Guard
 from .worker import Job, Worker
 
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "minillm.serve.app")
@@ -186,6 +188,9 @@ class ModelRegistry:
         self.switches = 0
         self._wake = threading.Event()
         self._ids = itertools.count()
+        self.thread: threading.Thread | None = None
+        # one guard (fault isolation, backpressure, shutdown) and one event stream for every model
+        self.guard, self.events, self.speculative = Guard(metrics), EventBus(), None
         self._metrics()
 
     # --- the plan, before anything loads -------------------------------------------------------
@@ -206,14 +211,26 @@ class ModelRegistry:
                 block_size=o.get("block_size", 16), kv_cache_mib=self.kv_cache_mib, budget=self.budget,
                 tokenizer=measured["tokenizers"][str(folders[spec.served])], runtime=self.runtime_bytes,
             )  # fmt: skip
-            self.slots[spec.served] = ModelSlot(spec, plan, self, metrics=self.metrics, console=self.console, **o)
+            self.slots[spec.served] = ModelSlot(
+                spec, plan, self, metrics=self.metrics, console=self.console, guard=self.guard, events=self.events, **o
+            )
         self.metrics.bind(self)  # the gauges read the registry (each slot's Worker bound itself)
+        self._bind_guard()
         return [s.plan for s in self.slots.values()]
 
     # --- what the HTTP layer reads --------------------------------------------------------------
+    def _bind_guard(self) -> None:
+        """The reliability gauges (one guard for the server) read every slot, and this thread."""
+        c, slots = self.guard.counters, self.slots.values()
+        c.blocks_used.set_function(lambda: sum(s.pool.num_used_blocks for s in slots if s.pool is not None))
+        c.blocks_total.set_function(lambda: sum(s.pool.num_blocks for s in slots if s.pool is not None))
+        c.tracked.set_function(lambda: sum(len(s.active) for s in slots))
+        c.worker_alive.set_function(lambda: float(self.thread is not None and self.thread.is_alive()))
+
     def start(self) -> None:
         """Start the thread: load the first model, then serve every model's queue."""
-        threading.Thread(target=self._run, name="minillm-models", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="minillm-models", daemon=True)
+        self.thread.start()
 
     def wake(self) -> None:
         self._wake.set()
