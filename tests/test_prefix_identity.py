@@ -166,3 +166,19 @@ def test_identity_names_the_kv_dtype_and_is_stable(tiny):
     ids = np.arange(3 * BLOCK)
     assert pool.block_hashes(ids, identity=b"x")[0] != pool.block_hashes(ids)[0]
     assert pool.block_hashes(ids, identity=b"x")[1:] != pool.block_hashes(ids)[1:]  # the chain carries it
+
+
+def test_kernels(tiny):
+    # the same weights object under the plain and the tuned kernels (other formulations, other roundings)
+    import copy
+
+    from minillm.model.kernels import PLAIN
+    from minillm.model.transformer import Transformer
+
+    a, _, _ = tiny
+    tuned = load(a)
+    plain = copy.copy(tuned)
+    plain.transformer = Transformer(tuned.config, tuned.transformer.weights, PLAIN)
+    assert plain.transformer.weights is tuned.transformer.weights and plain.transformer.kernels is not tuned.transformer.kernels
+    assert kv_identity(plain) != kv_identity(tuned)
+    check_shared_equals_cold(lambda: tuned, lambda: plain)
