@@ -63,7 +63,7 @@ TARGETS = {8: 3.0, 32: 8.0}
 PREFILL_OF_GEMM = 0.75  # prefill-512 FLOP/s >= 75 % of the GEMM ceiling
 
 
-# --- pure arithmetic (tested exactly in tests/test_batching.py) ------------------------------------
+# --- pure arithmetic (tested exactly in tests/runtime/test_batching.py) ------------------------------------
 def step_bounds(
     batch: int,
     weight_bytes: int,

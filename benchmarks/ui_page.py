@@ -4,7 +4,7 @@
 
 Playwright's own browser download cannot work offline, so Chromium comes from apt
 (``apt-get install -y chromium-headless-shell``) and Playwright (``pip install playwright==1.64.1``,
-the release built for Chromium 156) drives it through ``executable_path``. ``tests/test_ui.py``
+the release built for Chromium 156) drives it through ``executable_path``. ``tests/serve/test_ui.py``
 uses the same launch and the same three requests.
 """
 

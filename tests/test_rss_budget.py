@@ -1,4 +1,4 @@
-"""The test run's memory budget (tests/rss_budget.py) catches what it claims to catch.
+"""The test run's memory budget (tests/support/rss_budget.py) catches what it claims to catch.
 
 Each case runs a small pytest session in a subprocess, with the same plugin registered the way
 tests/conftest.py registers it, and a budget set low. The expected values are the sizes the probe
@@ -65,7 +65,7 @@ def run_probes(
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_probes.py").write_text(textwrap.dedent(PROBES))
     report = tmp_path / "rss.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS / "support"), os.environ.get("PYTHONPATH", "")]),
            "OPENBLAS_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:nbmake", "-q",

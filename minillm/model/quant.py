@@ -21,7 +21,7 @@ Nibbles: in the 32-value formats, byte ``j`` of ``qs`` holds value ``j`` in its 
 Q5_K) or 16 of 16 (Q6_K), each with its own small integer scale (and min) relative to ``d`` (``dmin``).
 
 The arithmetic is float32 in the reference's order (``(d * sc) * q - dmin * m``, one rounding per
-operation), so the results equal ``gguf.quants.dequantize`` bit for bit (``tests/test_quant.py``,
+operation), so the results equal ``gguf.quants.dequantize`` bit for bit (``tests/model/test_quant.py``,
 on every tensor of the two shipped GGUF files).
 
 Besides GGUF's blocks, one format minillm makes itself: **int8, symmetric, per output channel**

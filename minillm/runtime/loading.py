@@ -74,7 +74,7 @@ def load(
         kernels: which implementation of the forward's tuned operations (products, attention, a
             batch's decode attention) the model runs: ``"tuned"`` (``minillm/kernels``: the fastest
             formulations for this BLAS kernel) or ``"plain"`` (``minillm/model/kernels.py``: the
-            textbook's NumPy). The same numbers within float32 rounding (``tests/test_kernels.py``).
+            textbook's NumPy). The same numbers within float32 rounding (``tests/model/test_kernels.py``).
 
     Raises:
         InvalidRequestError: ``threads`` is not a whole number >= 1; an unknown ``weight_dtype`` or

@@ -11,7 +11,7 @@ A GGUF keeps its tokenizer as metadata arrays: ``tokenizer.ggml.tokens`` (the pi
   are rebuilt from the scores (a SentencePiece BPE merges the pair whose result scores highest).
 
 Gemma's GGUF needs two repairs before its merges come out as Google's ``tokenizer.json`` has them
-(checked merge for merge in ``tests/test_gemma3.py`` against an independent copy of that file):
+(checked merge for merge in ``tests/model/test_gemma3.py`` against an independent copy of that file):
 
 1. llama.cpp writes the space-run tokens (ids 138-167: two to 31 spaces) with real spaces; the
    vocabulary spells them ``▁▁``... like every other piece. We respell them.

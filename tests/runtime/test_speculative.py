@@ -36,7 +36,7 @@ from minillm.runtime.speculative import (
 )
 from minillm.text.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["AB C DEF AB C", "G HI J KL G HI", "X Y Z X Y Z X", "DE w DE w DE", "C C C AB DEF G"]
 
 

@@ -229,7 +229,7 @@ def test_batching_benchmark_bounds_by_hand_and_a_quick_run(tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ is not installed
     from benchmarks import batching
 
     # 8 rows, 500 MB of weights, 125 M parameters, 46,080 bytes per position at context 100, 50 GB/s,

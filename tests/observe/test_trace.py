@@ -176,7 +176,7 @@ def test_skipped_warmup_is_diagnosed(one_blas_thread):
     assert warmup and warmup[0][1].startswith("first request slow: no warm-up ran ("), d
 
 
-# SEE tests/test_diagnosis.py test_a_1500_token_prompt_gives_the_prefill_finding (a long prompt)
+# SEE tests/observe/test_diagnosis.py test_a_1500_token_prompt_gives_the_prefill_finding (a long prompt)
 
 
 def test_slow_decode_is_diagnosed(smollm2, monkeypatch, one_blas_thread):

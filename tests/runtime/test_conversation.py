@@ -22,7 +22,7 @@ from minillm.cli.chat import converse
 from minillm.errors import ContextWindowExceeded, InvalidRequestError
 from minillm.text.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TURNS = ["What is the capital of France?", "And of Italy?", "Which one is bigger?"]
 
 

@@ -191,7 +191,7 @@ def test_bad_pool_arguments_name_the_numbers_and_the_fix(smollm2):
 @pytest.fixture(scope="module")
 def tiny_gemma3(tmp_path_factory):
     """test_families' Gemma 3 case: sliding window 8 on 3 of 4 layers, QK-norm, local RoPE base."""
-    from test_families import CASES, build
+    from tiny_families import CASES, build
 
     folder, hf = build(CASES["gemma3"], tmp_path_factory.mktemp("tiny-gemma3-batch"))
     config = ModelConfig.from_folder(folder)

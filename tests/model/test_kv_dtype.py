@@ -3,7 +3,7 @@
 
 Where the expected values come from:
 - generated ids: float32 minillm's greedy ids for the same prompt (its logits match transformers
-  within 1e-4: tests/test_smollm2.py). Measured when this test was written: float16 KV gives the
+  within 1e-4: tests/model/test_smollm2.py). Measured when this test was written: float16 KV gives the
   same 32 ids on all 5 prompts; int8 KV the same on 4, and on "To make a cup of tea, first" it
   differs at the second token, where float32's own top two logits are 0.022 apart (a near-tie);
 - KV bytes per token: the formula by hand, 2 (k, v) * 30 layers * 3 kv heads * bytes per entry
@@ -41,7 +41,7 @@ def test_float16_kv_gives_float32s_greedy_ids(smollm2):
 def test_int8_kv_flips_greedy_only_at_a_near_tie(smollm2):
     """int8 KV (through ``stream``): the ids equal float32's on 4 of 5 prompts; where one differs,
     float32's own top-2 logit margin at that position is below 0.1 (measured 0.022), while int8 KV
-    moves logits by up to ~0.65 over these steps (tests/test_precision.py bounds it by 1.5)."""
+    moves logits by up to ~0.65 over these steps (tests/model/test_precision.py bounds it by 1.5)."""
     for prompt in PROMPTS:
         ref = minillm.generate(smollm2, prompt, max_new_tokens=32)
         result: list = []

@@ -17,7 +17,7 @@ import pytest
 
 import minillm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 INCIDENT = ROOT / "examples" / "incident.txt"
 ASK = "Summarize this incident report in two bullets."
 

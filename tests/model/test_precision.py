@@ -6,7 +6,7 @@ Where the expected values come from:
 - resident bytes: the process's RSS (Linux) around the load, against the table of formats held,
   and the sizes of the formats by hand (Q4_1: 20 bytes per 32 weights; int8: 1 byte + a float32
   scale per row) and from ``gguf.GGML_QUANT_SIZES``;
-- int8 quality: float32 minillm, whose logits tests/test_smollm2.py checks against transformers;
+- int8 quality: float32 minillm, whose logits tests/model/test_smollm2.py checks against transformers;
 - KV bytes per token: the formula by hand.
 """
 

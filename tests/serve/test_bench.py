@@ -44,7 +44,7 @@ def test_llama_cpp_reference_is_the_portable_build():
 
     import llama_cpp
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     assert f'CMAKE_ARGS="{PORTABLE}"' in (root / "README.md").read_text()  # the build the README's command makes
     info = llama_cpp.llama_print_system_info().decode()
     print(f"llama.cpp {llama_cpp.__version__} built with: {info}")

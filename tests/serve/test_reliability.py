@@ -26,7 +26,7 @@ import pytest
 from test_serve import MODEL, free_port, metrics, wait_for
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ def run_bench(url: str, model: str, out: Path, *, concurrency: str, requests: in
 
 def release_memory() -> None:
     """Collect dropped objects (cycles included) and hand the freed heap back to the system: glibc
-    keeps freed small blocks otherwise, and the RSS budget (tests/rss_budget.py) counts them."""
+    keeps freed small blocks otherwise, and the RSS budget (tests/support/rss_budget.py) counts them."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

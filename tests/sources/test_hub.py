@@ -25,7 +25,7 @@ from minillm.errors import ChecksumMismatchError, DownloadError, ManifestError, 
 from minillm.sources.hub import cache_root, resolve_model
 from minillm.sources.manifest import default_model_name, get_entry, load_manifest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64  # the fake "GGUF" member: 16,388 bytes
 PAYLOAD_SHA = hashlib.sha256(PAYLOAD).hexdigest()
 MEMBER = "fake_tiny/tiny.Q4_1.gguf"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_families import CASES, build
+from tiny_families import CASES, build
 
 from minillm.errors import InvalidRequestError, MemoryBudgetError
 from minillm.model.config import ModelConfig

@@ -52,7 +52,7 @@ LONG_PROMPT = " ".join(f"Item {i}: the {w} is {c}." for i, (w, c) in enumerate(
     [("sky", "blue"), ("grass", "green"), ("sun", "bright"), ("sea", "deep")] * 14))  # ~550 tokens > 512
 
 
-# Memory (tests/rss_budget.py, budget 3 GB): transformers' Gemma and minillm's are 1 GiB of float32
+# Memory (tests/support/rss_budget.py, budget 3 GB): transformers' Gemma and minillm's are 1 GiB of float32
 # each; they are never held at once. transformers' answers are computed first and its model freed
 # (``transformers_gemma3``), then minillm's copy loads (``gemma3``). The tests that only read files
 # come first in this module, before either model is loaded.

@@ -21,9 +21,9 @@ from minillm.errors import ContextWindowExceeded, InvalidRequestError
 from minillm.text.tokenizer import Tokenizer
 
 from scripted import EOT, ids_of, scripted_model, word_tokenizer_folder
-from test_detokenize import byte_fallback_folder
+from tokenizer_folders import byte_fallback_folder
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0)
 ISSUE_PIECES = ["AB", "C", "DEF", "G", "HI", "J", "KL"]
 

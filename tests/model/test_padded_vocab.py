@@ -20,7 +20,7 @@ import pytest
 
 import minillm
 from minillm import SamplingParams, Tracer
-from test_families import Case, build
+from tiny_families import Case, build
 
 pytestmark = pytest.mark.reference
 
@@ -51,14 +51,7 @@ def padded(tmp_path_factory):
     import torch
     import transformers
 
-    import test_families
-
-    old = test_families.VOCAB
-    test_families.VOCAB = ROWS
-    try:
-        folder, _ = build(PADDED, tmp_path_factory.mktemp("padded"), seed=3)
-    finally:
-        test_families.VOCAB = old
+    folder, _ = build(PADDED, tmp_path_factory.mktemp("padded"), seed=3, vocab=ROWS)
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(folder / "model.safetensors"))

@@ -3,7 +3,7 @@ context-window sentence, a base model refused by ``chat`` before any download, a
 printed once, ``--version``, ``bench --help``'s defaults, ``minillm cache`` and the distribution's name.
 
 Fast: no real model. The CLI runs in process with ``minillm.load`` replaced by the scripted model
-(tests/scripted.py), or as a subprocess where the behaviour is the process's (ports, exit status).
+(tests/support/scripted.py), or as a subprocess where the behaviour is the process's (ports, exit status).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from minillm.cli import main
 from minillm.errors import DISTRIBUTION, ContextWindowExceeded, ManifestError
 from minillm.text.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 

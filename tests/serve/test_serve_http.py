@@ -1,7 +1,7 @@
 """The HTTP layer's behaviour (issue 31, kind 4), in this process and in milliseconds: the FastAPI
 app in front of a Worker that the test steps by hand (``Worker.attach`` / ``serve_once``, no
 worker thread), serving a scripted model whose greedy answer after the prompt's last token
-``model`` is AB C DEF G HI J KL, then <eos>, then 'w' forever (tests/scripted.py ``chain_model``).
+``model`` is AB C DEF G HI J KL, then <eos>, then 'w' forever (tests/support/scripted.py ``chain_model``).
 
 - ``finish_reason`` and ``minillm_stop_reason`` streamed equal the non-streamed ones for every
   stop kind (EOS, max_tokens, a stop string), on both endpoints;

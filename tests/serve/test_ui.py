@@ -13,7 +13,7 @@ import httpx
 import pytest
 from test_serve import metrics
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ is not installed
 from benchmarks import ui_page  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import statistics
 
 import numpy as np
 import pytest
-from test_errors import save, tiny_config, tiny_tensors  # a tiny real Llama folder
+from tiny_models import save, tiny_config, tiny_tensors  # a tiny real Llama folder
 from scripted import word_tokenizer_folder
 
 import minillm
