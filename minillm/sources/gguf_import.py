@@ -345,7 +345,28 @@ def read_tensor(reader, t, path: pathlib.Path | None = None) -> np.ndarray:
             "byte order gguf can state, so it cannot be read safely; convert the model little-endian "
             "(llama.cpp's convert_hf_to_gguf.py without --bigendian), or big-endian as F32/F16"
         )
-    return np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    return dequantize_rows(t.data, t.tensor_type)
+
+
+def dequantize_rows(data: np.ndarray, qtype, rows_per_chunk: int = 4096) -> np.ndarray:
+    """``gguf.quants.dequantize(data, qtype)`` as float32, a few thousand rows at a time.
+
+    ``data`` is the packed uint8 ``[rows, row_bytes]`` (or 1-D) of a block-quantized tensor; the
+    result is float32 ``[rows, row_values]``, the same bits as one call (blocks are independent).
+    Why in chunks: one call over a large matrix holds several float32 temporaries of the whole
+    matrix at once (Gemma 3's 262,144-row embedding), which set the conversion's peak memory.
+    """
+    import gguf
+
+    data = np.asarray(data)
+    if data.ndim < 2 or data.shape[0] <= rows_per_chunk:
+        return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32)
+    first = np.asarray(gguf.quants.dequantize(data[:rows_per_chunk], qtype), dtype=np.float32)
+    out = np.empty((data.shape[0], *first.shape[1:]), dtype=np.float32)
+    out[:rows_per_chunk] = first
+    for start in range(rows_per_chunk, data.shape[0], rows_per_chunk):
+        out[start : start + rows_per_chunk] = gguf.quants.dequantize(data[start : start + rows_per_chunk], qtype)
+    return out
 
 
 def _check_tensor_types(path: pathlib.Path, reader) -> None:
@@ -486,7 +507,7 @@ class PackedTensor:
         import gguf
 
         qtype = gguf.GGMLQuantizationType[self.type_name]
-        w = np.array(gguf.quants.dequantize(self.data, qtype), dtype=np.float32).reshape(self.shape)
+        w = dequantize_rows(self.data, qtype).reshape(self.shape)
         if self.norm_shift:
             w -= np.float32(self.norm_shift)
         return w

@@ -66,10 +66,16 @@ def release_after_each_test():
 
 @pytest.fixture(scope="module")
 def gemma3_folder() -> Path:
-    """The converted folder, resolved (fetched and converted on first use, then cached), not loaded."""
-    from minillm.sources.hub import resolve_model
+    """The converted folder, resolved (fetched and converted on first use, then cached), not loaded.
 
-    return resolve_model(NAME, progress=False).path
+    Resolved in a child process: on a fresh cache this is the run's first use of Gemma 3, and the
+    conversion (the GGUF reader, the tokenizer and every float32 tensor at once) would otherwise sit
+    on top of the test process's own baseline (the session's SmolLM2, torch) under the 3 GB budget.
+    """
+    code = "import sys; from minillm.sources.hub import resolve_model; print(resolve_model(sys.argv[1], progress=False).path)"
+    proc = subprocess.run([sys.executable, "-c", code, NAME], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Path(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +304,35 @@ def test_weights_match_transformers_gguf_loader(gemma3_folder, gemma3_gguf):
 
 
 @pytest.mark.slow
+CONVERT = """
+import resource, sys
+from minillm.sources.gguf_import import import_gguf
+out = import_gguf(sys.argv[1], sys.argv[2], progress=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_converting_the_real_gguf_stays_inside_a_processs_budget(gemma3_folder, gemma3_gguf, tmp_path):
+    """A fresh cache converts Gemma 3 (262,144-row embedding) on first use: the conversion's peak
+    RSS is the GGUF reader, the tokenizer and the float32 tensors, not several float32 copies of
+    the embedding at once (dequantized in row chunks). Under the suite's 3 GB budget for a process
+    with room to spare, and the file it writes is the cached one, byte for byte."""
+    import hashlib
+
+    proc = subprocess.run([sys.executable, "-c", CONVERT, str(gemma3_gguf), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    peak = int(proc.stdout.strip().splitlines()[-1])
+    float32_bytes = (tmp_path / "out" / "model.safetensors").stat().st_size
+    print(f"conversion peak {peak / 1e9:.2f} GB for {float32_bytes / 1e9:.2f} GB of float32 tensors")
+    assert peak < 2.6e9, peak  # one whole-matrix dequantization of the embedding peaked above 3 GB
+    digests = []
+    for folder in (tmp_path / "out", gemma3_folder):
+        with open(folder / "model.safetensors", "rb") as f:
+            digests.append(hashlib.file_digest(f, "sha256").hexdigest())
+    assert digests[0] == digests[1]  # the same header and the same bits as the cached conversion
+
+
 def test_vocabulary_and_merges_are_googles(gemma3_folder, google_tokenizer_json):
     ours = json.loads((gemma3_folder / "tokenizer.json").read_text(encoding="utf-8"))
     google = json.loads(google_tokenizer_json.read_text(encoding="utf-8"))

@@ -427,3 +427,21 @@ def test_big_endian_block_quantized_data_is_refused(tmp_path, tiny_hf):
                                         r"data .* convert the model little-endian"):
         import_gguf(tmp_path / "be.gguf", tmp_path / "be", progress=False)
     assert not (tmp_path / "be").exists()
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_dequantizing_in_row_chunks_gives_the_bits_of_one_call(kind):
+    """The converter dequantizes a large matrix a few rows at a time (its peak memory); the values
+    are those of one ``gguf.quants.dequantize`` over the whole matrix, bit for bit, whatever the chunk."""
+    import gguf
+
+    from minillm.sources.gguf_import import dequantize_rows
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    w = np.random.default_rng(0).standard_normal((1000, 64)).astype(np.float32)
+    packed = gguf.quants.quantize(w, qtype)  # uint8 [rows, row_bytes]
+    whole = gguf.quants.dequantize(packed, qtype)
+    for chunk in (1, 7, 256, 999, 1000, 4096):
+        got = dequantize_rows(packed, qtype, rows_per_chunk=chunk)
+        assert got.dtype == np.float32 and got.shape == (1000, 64)
+        assert np.array_equal(got.view(np.uint32), np.asarray(whole, np.float32).view(np.uint32)), chunk
