@@ -330,8 +330,6 @@ def read_tensor(reader, t, path: pathlib.Path | None = None) -> np.ndarray:
     is; block-quantized types and BF16 are dequantized with ``gguf.quants`` from a little-endian
     file. Raises GGUFError for packed data in a big-endian file (never read silently wrong).
     """
-    import gguf
-
     kind = t.tensor_type.name
     if kind in _NUMBER_TYPES:
         # gguf's reader views these with the file's byte order (e.g. '>f4'); astype converts the
