@@ -13,7 +13,7 @@ import httpx
 import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
-from test_serve import MODEL, running_server
+from test_serve import MODEL, metrics, running_server
 
 pytestmark = pytest.mark.slow
 COMMA = 28
@@ -249,9 +249,19 @@ def test_response_format_streamed_and_not_give_equal_text(client):
     assert set(json.loads(whole)) == {"city"}
 
 
-def test_eight_concurrent_constrained_requests_each_follow_their_own_schema(client):
-    import jsonschema
+def test_eight_concurrent_constrained_requests_each_follow_their_own_schema(client, url):
+    """In one running batch (the server's gauge seen above 1 meanwhile), each with its own grammar."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    running, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            running.append(metrics(url)["minillm_num_requests_running"])
+            done.wait(0.05)
 
     def ask(j: int) -> str:
         r = create(client, f"Answer {j} in JSON.", temperature=1.0, seed=j, max_tokens=60,
@@ -259,8 +269,15 @@ def test_eight_concurrent_constrained_requests_each_follow_their_own_schema(clie
         assert r.choices[0].finish_reason == "stop", r
         return r.choices[0].message.content
 
-    with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(ask, range(8)))
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(8)))
+    finally:
+        done.set()
+        watcher.join()
+    assert max(running) >= 2, running  # they were batched together, not served one after another
     for schema, answer in zip(SCHEMAS, answers, strict=True):
         jsonschema.validate(json.loads(answer), schema)
 
