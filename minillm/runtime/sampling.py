@@ -19,13 +19,8 @@ transformers' order (``generation/utils.py: _get_logits_processor``; ``generatio
 Removed entries become ``-inf``, so softmax gives them probability exactly 0. Then ``sample``
 draws one id from softmax of what is left -- or, at temperature 0, takes the argmax (greedy).
 
-Numerics: no valid setting may give NaN or infinite probabilities. Dividing by a tiny temperature
-(or a tiny repetition penalty) can overflow float32 (``3 / 1e-40``); two distinct float32 logits
-scaled that far apart differ by far more than the ~104 it takes for ``exp`` to reach 0, so the
-distribution is one-hot on the largest: such a step *is* greedy, and is computed as greedy
-(``numerics.limit_or_float32``). A NaN logit is an error (it means the forward pass broke); ``-inf``
-logits are masked ids and stay at probability 0. Underflow (``exp(-200)`` -> 0) is the right answer
-in float32 and is allowed explicitly.
+Numerics: no valid setting gives NaN or infinite probabilities; a step scaled beyond float32's
+range is greedy, computed as greedy, and a NaN logit is an error (``numerics.py`` says why).
 """
 
 from __future__ import annotations
@@ -176,7 +171,7 @@ def apply_temperature(logits, temperature: float) -> np.ndarray:
     """Divide logits by ``temperature`` (> 0). Temperature 0 is greedy: handle it before this.
 
     A temperature so small that the scaled logits leave float32's range (``3 / 1e-40``) gives
-    the limit, greedy: the largest logit at 0, the rest at -inf (see the module note).
+    the limit, greedy: the largest logit at 0, the rest at -inf (``numerics.py``).
     """
     if not temperature > 0:
         raise SamplingParamsError(f"apply_temperature needs temperature > 0, got {temperature}; use argmax for 0")
