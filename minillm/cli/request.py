@@ -122,6 +122,7 @@ def run_request(args: argparse.Namespace, console: Console) -> int:
 
     check_request_args(args)
     params = SamplingParams.from_fields(args)
+    constraint = constraint_of(args)  # a schema that is not JSON is refused before the model loads
 
     attachment = read_attachment(args.file) if args.file else None
     tracer = Tracer(console if args.trace == "rich" else None, verbosity=args.verbosity or "steps")
@@ -166,7 +167,7 @@ def run_request(args: argparse.Namespace, console: Console) -> int:
             else None,
             cancel=cancel,
             result=results,
-            constraint=constraint_of(args),
+            constraint=constraint,
         ):
             if args.verbosity == "quiet":  # only the text, as it arrives
                 sys.stdout.write(delta)

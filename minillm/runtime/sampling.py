@@ -19,13 +19,8 @@ transformers' order (``generation/utils.py: _get_logits_processor``; ``generatio
 Removed entries become ``-inf``, so softmax gives them probability exactly 0. Then ``sample``
 draws one id from softmax of what is left -- or, at temperature 0, takes the argmax (greedy).
 
-Numerics: no valid setting may give NaN or infinite probabilities. Dividing by a tiny temperature
-(or a tiny repetition penalty) can overflow float32 (``3 / 1e-40``); two distinct float32 logits
-scaled that far apart differ by far more than the ~104 it takes for ``exp`` to reach 0, so the
-distribution is one-hot on the largest: such a step *is* greedy, and is computed as greedy
-(:func:`_limit_or_float32`). A NaN logit is an error (it means the forward pass broke); ``-inf``
-logits are masked ids and stay at probability 0. Underflow (``exp(-200)`` -> 0) is the right answer
-in float32 and is allowed explicitly.
+Numerics: no valid setting gives NaN or infinite probabilities; a step scaled beyond float32's
+range is greedy, computed as greedy, and a NaN logit is an error (``numerics.py`` says why).
 """
 
 from __future__ import annotations
@@ -38,8 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from minillm.errors import InvalidRequestError, SamplingParamsError
-from minillm.model.primitives import softmax  # the one softmax (also re-exported for lessons and tests)
+from minillm.model.primitives import softmax  # noqa: F401 (the one softmax, re-exported for lessons and tests)
 from minillm.runtime.candidates import token_logprobs, top_candidates  # noqa: F401 (re-exported)
+from minillm.runtime.numerics import as_float32_value, as_logits, limit_or_float32, probabilities  # noqa: F401
 from minillm.runtime.penalties import (
     apply_frequency_presence,
     apply_logit_bias,
@@ -47,6 +43,11 @@ from minillm.runtime.penalties import (
     check_logit_bias,
     check_penalty,
 )
+
+
+def _whole(value, low: int, high: float = math.inf) -> bool:
+    """True for an int (not a bool) in [low, high]."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and low <= value <= high
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class SamplingParams:
                 f"temperature must be >= 0, got {self.temperature}; "
                 "use 0 for greedy, 1 for the model's own distribution"
             )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+        if not _whole(self.top_k, 0):
             raise SamplingParamsError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if not 0.0 <= number("top_p") <= 1.0:
             raise SamplingParamsError(f"top_p must be in [0, 1] (1 disables), got {self.top_p}")
@@ -105,15 +106,12 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"repetition_penalty must be > 0 (1 disables, > 1 discourages repeats), got {self.repetition_penalty}"
             )
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0
-        ):
+        if self.seed is not None and not _whole(self.seed, 0):
             raise SamplingParamsError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
         check_penalty("frequency_penalty", self.frequency_penalty)
         check_penalty("presence_penalty", self.presence_penalty)
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))  # frozen: normalise once
-        n = self.top_logprobs
-        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= 20):
+        if (n := self.top_logprobs) is not None and not _whole(n, 0, 20):
             raise SamplingParamsError(f"top_logprobs must be None or a whole number in [0, 20] (OpenAI's), got {n!r}")
 
     @classmethod
@@ -138,78 +136,9 @@ class SamplingParams:
 #: transformers' ``generate`` without ``do_sample``). ``SamplingParams()`` itself asks to sample.
 GREEDY = SamplingParams(temperature=0.0)
 
-F32_MAX = float(np.finfo(np.float32).max)  # about 3.4e38
-
 
 class SeedWithoutRngWarning(UserWarning):
     """``sample(logits, SamplingParams(seed=...))`` with no ``rng``: each call restarts the generator."""
-
-
-def _as_logits(logits) -> np.ndarray:
-    """A float32 ``[vocab]`` copy (processors never modify their input).
-
-    Raises:
-        InvalidRequestError: wrong shape, a NaN, or every id masked (all ``-inf``).
-    """
-    with np.errstate(over="ignore", under="ignore"):  # float64 input beyond float32: inf / 0, checked next
-        out = np.array(logits, dtype=np.float32)  # copy
-    if out.ndim != 1 or out.size == 0:
-        raise InvalidRequestError(f"logits must have shape [vocab], got {out.shape}; pass the last position's row")
-    if np.isnan(out).any():
-        bad = np.flatnonzero(np.isnan(out))
-        raise InvalidRequestError(
-            f"logits contain NaN at {bad.size} of {out.size} ids (first: id {bad[0]}); the forward pass produced "
-            "NaN (overflow in the weights or activations): check the weights and the dtype they were loaded in"
-        )
-    if np.isneginf(out).all():
-        raise InvalidRequestError(
-            "every logit is -inf: all ids are masked and there is nothing to sample; leave at least one id unmasked"
-        )
-    return out
-
-
-def _limit_or_float32(values: np.ndarray) -> np.ndarray:
-    """float64 scaled logits -> float32, or, where they left float32's range, the limit: greedy.
-
-    Beyond float32's range (or at +inf) the largest logit takes all the probability (see the
-    module note), so only it (and exact ties) is kept, at 0, the rest at -inf.
-    """
-    top = np.max(values)
-    if top == np.inf or np.abs(values[np.isfinite(values)]).max(initial=0.0) > F32_MAX:
-        out = np.full(values.shape, -np.inf, dtype=np.float32)
-        out[values == top] = 0.0
-        return out
-    with np.errstate(under="ignore"):  # a tiny scaled logit rounds to 0 or a subnormal: fine
-        return values.astype(np.float32)
-
-
-def _as_float32_value(value: float) -> float:
-    """A positive parameter rounded to float32, as transformers holds it, as a Python float, kept
-    inside float32's range: below it, the smallest float32 (1.4e-45); above it, the largest. Then a
-    float32 logit scaled by it (at most 3.4e38 * 3.4e38, or / 1.4e-45) never overflows float64, so
-    the order of the scaled logits survives for :func:`_limit_or_float32`."""
-    smallest = float(np.finfo(np.float32).smallest_subnormal)
-    if value >= F32_MAX:
-        return F32_MAX
-    with np.errstate(under="ignore"):
-        return max(float(np.float32(value)), smallest)
-
-
-def probabilities(logits) -> np.ndarray:
-    """The model's softmax (``primitives.softmax``, float32 as transformers computes it) made safe
-    for sampling: ``float32 [vocab]``, finite, summing to 1, masked (-inf) ids at 0.
-
-    A +inf logit takes all the probability (shared by ties). Underflow is allowed: ``exp`` of a
-    very negative number is 0, the right float32 answer.
-
-    Raises:
-        InvalidRequestError: a NaN, or every id masked.
-    """
-    x = _as_logits(logits)
-    if x.max() == np.inf:
-        return (x == np.inf).astype(np.float32) / np.float32(np.count_nonzero(x == np.inf))
-    with np.errstate(under="ignore"):
-        return softmax(x)
 
 
 def apply_repetition_penalty(logits, seen_ids: Iterable[int], penalty: float) -> np.ndarray:
@@ -219,7 +148,7 @@ def apply_repetition_penalty(logits, seen_ids: Iterable[int], penalty: float) ->
     "less likely" (dividing a negative would make it *more* likely).
     Example: logits [2, -2, 0.5], seen {0, 1}, penalty 2 -> [1, -4, 0.5].
     """
-    out = _as_logits(logits)
+    out = as_logits(logits)
     if penalty == 1.0:
         return out
     ids = np.unique(np.asarray(list(seen_ids), dtype=np.int64))  # sorted, each id once
@@ -230,36 +159,36 @@ def apply_repetition_penalty(logits, seen_ids: Iterable[int], penalty: float) ->
         raise InvalidRequestError(f"seen id {bad} is outside the vocabulary [0, {out.size})")
     # In float64 with transformers' float32 penalty: the same float32 results (double rounding is
     # harmless for one * or /), and a tiny penalty's overflow is seen instead of becoming inf.
-    p = _as_float32_value(penalty)
+    p = as_float32_value(penalty)
     picked = out[ids].astype(np.float64)
     with np.errstate(over="ignore", under="ignore"):
         scaled = out.astype(np.float64)
         scaled[ids] = np.where(picked < 0, picked * p, picked / p)
-    return _limit_or_float32(scaled)
+    return limit_or_float32(scaled)
 
 
 def apply_temperature(logits, temperature: float) -> np.ndarray:
     """Divide logits by ``temperature`` (> 0). Temperature 0 is greedy: handle it before this.
 
     A temperature so small that the scaled logits leave float32's range (``3 / 1e-40``) gives
-    the limit, greedy: the largest logit at 0, the rest at -inf (see the module note).
+    the limit, greedy: the largest logit at 0, the rest at -inf (``numerics.py``).
     """
     if not temperature > 0:
         raise SamplingParamsError(f"apply_temperature needs temperature > 0, got {temperature}; use argmax for 0")
-    out = _as_logits(logits)
+    out = as_logits(logits)
     if temperature == 1.0:
         return out
     # transformers divides float32 by float32(t); in float64 the result rounds the same, and an
     # overflow shows instead of turning every positive logit into the same inf.
-    t = _as_float32_value(temperature)
+    t = as_float32_value(temperature)
     with np.errstate(over="ignore", under="ignore"):
         scaled = out.astype(np.float64) / t
-    return _limit_or_float32(scaled)
+    return limit_or_float32(scaled)
 
 
 def apply_top_k(logits, k: int) -> np.ndarray:
     """Keep the ``k`` highest logits (ties with the k-th are kept, as transformers); 0 disables."""
-    out = _as_logits(logits)
+    out = as_logits(logits)
     if k <= 0 or k >= out.size:
         return out
     kth = np.partition(out, out.size - k)[out.size - k]  # the k-th largest value, O(vocab)
@@ -277,7 +206,7 @@ def apply_top_p(logits, p: float) -> np.ndarray:
     among exact ties is unspecified), so of two tied ids at the cut the later one stays.
     Example: probabilities [0.5, 0.3, 0.15, 0.05], p 0.6 -> ids {0, 1}, renormalised [0.625, 0.375].
     """
-    out = _as_logits(logits)
+    out = as_logits(logits)
     if p >= 1.0:
         return out
     order = np.argsort(out, kind="stable")  # least likely first
@@ -290,7 +219,7 @@ def apply_top_p(logits, p: float) -> np.ndarray:
 
 def apply_min_p(logits, min_p: float) -> np.ndarray:
     """Drop ids whose probability is below ``min_p`` times the top id's probability; 0 disables."""
-    out = _as_logits(logits)
+    out = as_logits(logits)
     if min_p <= 0.0:
         return out
     probs = probabilities(out)
@@ -302,7 +231,7 @@ def apply_min_p(logits, min_p: float) -> np.ndarray:
 def penalize(logits, params: SamplingParams, seen_ids=(), generated_ids=(), allowed=None) -> np.ndarray:
     """Steps 0-3 of the module's list: logit bias, repetition penalty (``seen_ids``: prompt + new),
     frequency and presence penalties (``generated_ids``: new ids only), the mask. ``float32 [vocab]``."""
-    out = apply_logit_bias(_as_logits(logits), params.logit_bias)
+    out = apply_logit_bias(as_logits(logits), params.logit_bias)
     out = apply_repetition_penalty(out, seen_ids, params.repetition_penalty)
     out = apply_frequency_presence(out, generated_ids, params.frequency_penalty, params.presence_penalty)
     return apply_mask(out, allowed)
@@ -358,47 +287,53 @@ def sample(
         InvalidRequestError: NaN logits, all logits ``-inf`` (after the mask too), a seen id or a
             logit_bias id outside the vocabulary.
     """
-    if params.greedy:
-        return int(np.argmax(penalize(logits, params, seen_ids, generated_ids, allowed)))
-    return sample_with_probs(logits, params, rng, seen_ids, generated_ids, allowed)[0]
+    return _choose(logits, params, rng, seen_ids, generated_ids, allowed, keep_probs=False)[0]
 
 
-def sample_with_probs(
-    logits,
-    params: SamplingParams,
-    rng: np.random.Generator | None = None,
-    seen_ids: Iterable[int] = (),
-    generated_ids: Iterable[int] = (),
-    allowed: np.ndarray | None = None,
-) -> tuple[int, np.ndarray]:
-    """:func:`sample`, also returning the distribution it chose from: ``float32 [vocab]``.
+def sample_with_probs(logits, params: SamplingParams, *args, **kwargs) -> tuple[int, np.ndarray]:
+    """:func:`sample` (the same arguments, the same token), also returning the distribution it
+    chose from: ``float32 [vocab]``.
 
-    The same token as :func:`sample` for the same arguments. At temperature 0 the distribution is
-    the penalised (and masked) logits' softmax at temperature 1, unfiltered: greedy takes its argmax,
-    and like transformers without ``do_sample`` it applies no top-k / top-p / min-p. The trace shows
-    these probabilities; computing them costs a softmax over the vocabulary, so :func:`sample`
-    skips it at temperature 0.
+    At temperature 0 the distribution is the penalised (and masked) logits' softmax at temperature
+    1, unfiltered: greedy takes its argmax, and like transformers without ``do_sample`` it applies
+    no top-k / top-p / min-p. The trace shows these probabilities; computing them costs a softmax
+    over the vocabulary, so :func:`sample` skips it at temperature 0.
     """
+    return _choose(logits, params, *args, **kwargs, keep_probs=True)
+
+
+def _choose(logits, params, rng=None, seen_ids=(), generated_ids=(), allowed=None, *, keep_probs: bool):
+    """The one path of :func:`sample` and :func:`sample_with_probs`: ``(token, probs)``, probs None
+    when greedy and not ``keep_probs``."""
     penalized = penalize(logits, params, seen_ids, generated_ids, allowed)
     if params.greedy:
-        return int(np.argmax(penalized)), probabilities(penalized)
+        return int(np.argmax(penalized)), probabilities(penalized) if keep_probs else None
     probs = probabilities(_warp(penalized, params))
-    if rng is None:
-        if params.seed is not None:
-            warnings.warn(
-                f"sample() got SamplingParams(seed={params.seed}) but no rng: a new generator is made from the "
-                "seed on every call, so each step of a loop draws the same number. Make one per request, "
-                "rng = np.random.default_rng(params.seed), and pass it to every sample() call",
-                SeedWithoutRngWarning,
-                stacklevel=3,
-            )
-        rng = np.random.default_rng(params.seed)
+    return _draw(probs, _rng_for(params, rng)), probs
+
+
+def _rng_for(params: SamplingParams, rng: np.random.Generator | None) -> np.random.Generator:
+    """``rng``, or a fresh generator from the seed (warning when a seed is set: see :func:`sample`)."""
+    if rng is not None:
+        return rng
+    if params.seed is not None:
+        warnings.warn(
+            f"sample() got SamplingParams(seed={params.seed}) but no rng: a new generator is made from the "
+            "seed on every call, so each step of a loop draws the same number. Make one per request, "
+            "rng = np.random.default_rng(params.seed), and pass it to every sample() call",
+            SeedWithoutRngWarning,
+            stacklevel=4,  # the caller of sample() / sample_with_probs()
+        )
+    return np.random.default_rng(params.seed)
+
+
+def _draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw from ``probs`` ``[vocab]``: the first id whose cumulative probability passes
+    u. Ids at probability 0 add nothing to the running sum, so they can never be the one that passes it."""
     p64 = probs.astype(np.float64)
-    # Inverse-CDF draw: the first id whose cumulative probability passes u. Ids at probability 0
-    # add nothing to the running sum, so they can never be the one that passes it.
     cdf = np.cumsum(p64)
     u = rng.random() * cdf[-1]
-    return int(min(np.searchsorted(cdf, u, side="right"), np.flatnonzero(p64)[-1])), probs
+    return int(min(np.searchsorted(cdf, u, side="right"), np.flatnonzero(p64)[-1]))
 
 
 def candidates(

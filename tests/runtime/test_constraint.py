@@ -8,6 +8,7 @@ anyway changes nothing; each request in a batch follows its own constraint.
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import numpy as np
@@ -56,25 +57,55 @@ def test_fifty_seeds_at_temperature_1_all_parse_and_validate(smollm2):
     assert len(texts) > 40  # sampled: different documents, each valid
 
 
-def test_masked_distribution_is_the_unmasked_restricted_and_renormalised(smollm2):
-    ids = minillm.tokenize(smollm2, ASK)
-    logits = minillm.prefill(smollm2, ids, minillm.KVCache.for_model(smollm2.config, len(ids)))
-    state = ConstraintState(smollm2, Constraint.regex(r"(Yes|No|Maybe)[.!]"))
-    allowed = state.allowed()
-    assert 3 <= allowed.sum() < 50 and not allowed[2]  # a few ids; EOS not yet
+@pytest.fixture(scope="module")
+def person_greedy(smollm2):
+    """The greedy answer to ASK under PERSON (its ids), for steps inside a JSON document."""
+    return minillm.generate(smollm2, ASK, max_new_tokens=160, constraint=PERSON).ids
+
+
+def step_after(model, ids: list[int], text_before: str) -> int:
+    """The first step whose output so far, without whitespace, ends with ``text_before``."""
+    decoded = (re.sub(r"\s", "", model.tokenizer.decode(ids[:j])) for j in range(len(ids)))
+    return next(j for j, text in enumerate(decoded) if text.endswith(text_before))
+
+
+def check_masked_distribution(model, logits, allowed) -> None:
+    """Masked == unmasked restricted to ``allowed`` and renormalised (1e-6); 500 draws at
+    temperature 2 never leave ``allowed``."""
     params = SamplingParams(temperature=0.7)
     _, masked = sample_with_probs(logits, params, np.random.default_rng(0), allowed=allowed)
     _, free = sample_with_probs(logits, params, np.random.default_rng(0))
     expected = np.where(allowed, free, 0) / free[allowed].sum()
     np.testing.assert_allclose(masked, expected, atol=1e-6)
     assert masked[~allowed].max() == 0
-    # a forbidden id is never drawn, even the model's own favourite
-    favourite = int(np.argmax(free))
-    assert not allowed[favourite]
     rng = np.random.default_rng(1)
     draws = {sample_with_probs(logits, SamplingParams(temperature=2.0), rng, allowed=allowed)[0] for _ in range(500)}
     assert draws <= set(np.flatnonzero(allowed).tolist()) and len(draws) >= 2
-    assert probabilities(logits)[favourite] > 0.05
+
+
+def test_masked_distribution_is_the_unmasked_restricted_and_renormalised(smollm2):
+    ids = minillm.tokenize(smollm2, ASK)
+    logits = minillm.prefill(smollm2, ids, minillm.KVCache.for_model(smollm2.config, len(ids)))
+    state = ConstraintState(smollm2, Constraint.regex(r"(Yes|No|Maybe)[.!]"))
+    allowed = state.allowed()
+    assert 3 <= allowed.sum() < 50 and not allowed[2]  # a few ids; EOS not yet
+    check_masked_distribution(smollm2, logits, allowed)
+    favourite = int(np.argmax(probabilities(logits)))  # a forbidden id is never drawn, even the model's favourite
+    assert not allowed[favourite] and probabilities(logits)[favourite] > 0.05
+
+
+@pytest.mark.parametrize(("before", "choice"), [('"role":"', "the enum"), ('"age":', "the integer range")])
+def test_inside_a_json_schema_the_mask_only_renormalises(smollm2, person_greedy, before, choice):
+    j = step_after(smollm2, person_greedy, before)
+    state = ConstraintState(smollm2, PERSON)
+    for token in person_greedy[:j]:
+        state.consume(token)
+    allowed = state.allowed()
+    assert 2 <= allowed.sum() < 1000, (choice, int(allowed.sum()))  # a real choice, but most ids forbidden
+    ids = list(minillm.tokenize(smollm2, ASK)) + person_greedy[:j]
+    logits = minillm.prefill(smollm2, ids, minillm.KVCache.for_model(smollm2.config, len(ids)))
+    assert probabilities(logits)[~allowed].sum() > 1e-3  # the model would have said something else sometimes
+    check_masked_distribution(smollm2, logits, allowed)
 
 
 def test_greedy_under_a_schema_that_allows_what_it_says_anyway_is_unchanged(smollm2):

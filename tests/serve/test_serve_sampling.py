@@ -13,7 +13,7 @@ import httpx
 import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
-from test_serve import MODEL, running_server
+from test_serve import MODEL, metrics, running_server
 
 pytestmark = pytest.mark.slow
 COMMA = 28
@@ -26,19 +26,27 @@ def url(tmp_path_factory):
 
 
 def post(url: str, path: str, **body) -> httpx.Response:
+    """One request to ``/v1/{path}`` with the served model (``model=`` overrides it), any status."""
     return httpx.post(f"{url}/v1/{path}", json={"model": MODEL, **body}, timeout=120)
 
 
-def chat(url, content="List five fruits, separated by commas.", **fields) -> dict:
-    r = post(url, "chat/completions", messages=[{"role": "user", "content": content}], **{"max_tokens": 12, **fields})
+def answer(url: str, path: str, **body) -> dict:
+    """:func:`post` that must succeed: the response's JSON."""
+    r = post(url, path, **body)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def user(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def chat(url, content="List five fruits, separated by commas.", **fields) -> dict:
+    return answer(url, "chat/completions", messages=user(content), **{"max_tokens": 12, **fields})
 
 
 def complete(url, prompt="1, 2, 3, 4,", **fields) -> dict:
-    r = post(url, "completions", prompt=prompt, **{"max_tokens": 8, "temperature": 0, **fields})
-    assert r.status_code == 200, r.text
-    return r.json()
+    return answer(url, "completions", prompt=prompt, **{"max_tokens": 8, "temperature": 0, **fields})
 
 
 # prompts whose greedy answer repeats tokens (the penalties' work) or writes commas (the bias's)
@@ -59,7 +67,7 @@ def refused(url, path: str, field: str, value, base: dict) -> None:
     assert field in error["message"], error
 
 
-CHAT_BASE = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+CHAT_BASE = {"messages": user("Hi"), "max_tokens": 2}
 CHAT_REFUSED = {  # OpenAI fields minillm does not implement, with a value that asks for them
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
@@ -90,7 +98,7 @@ def check_common(url, field: str, call) -> bool:
     """The fields both endpoints share; True if ``field`` was one of them."""
     greedy = text(call(url, temperature=0))
     if field == "model":
-        r = httpx.post(f"{url}/v1/completions", json={"model": "gpt-4o", "prompt": "Hi"})
+        r = post(url, "completions", model="gpt-4o", prompt="Hi")
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     elif field == "frequency_penalty":
         plain = text(call(url, REPEATS[call], temperature=0, max_tokens=24))
@@ -226,30 +234,50 @@ def schema_format(schema: dict, name: str = "answer") -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
+def create(client, content: str, **fields):
+    """One chat completion through the official client (a stream of chunks with ``stream=True``)."""
+    return client.chat.completions.create(model=MODEL, messages=user(content), **fields)
+
+
 def test_response_format_streamed_and_not_give_equal_text(client):
-    messages = [{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}]
-    kwargs = dict(model=MODEL, messages=messages, temperature=0, max_tokens=40, response_format=schema_format(SCHEMAS[0]))
-    whole = client.chat.completions.create(**kwargs).choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+    kwargs = dict(temperature=0, max_tokens=40, response_format=schema_format(SCHEMAS[0]))
+    content = "Which city is the capital of France? Answer in JSON."
+    whole = create(client, content, **kwargs).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in create(client, content, **kwargs, stream=True)
                        if c.choices)
     assert streamed == whole
     assert set(json.loads(whole)) == {"city"}
 
 
-def test_eight_concurrent_constrained_requests_each_follow_their_own_schema(client):
-    import jsonschema
+def test_eight_concurrent_constrained_requests_each_follow_their_own_schema(client, url):
+    """In one running batch (the server's gauge seen above 1 meanwhile), each with its own grammar."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
+    import jsonschema
+
+    running, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            running.append(metrics(url)["minillm_num_requests_running"])
+            done.wait(0.05)
+
     def ask(j: int) -> str:
-        r = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Answer {j} in JSON."}], temperature=1.0, seed=j,
-            max_tokens=60, response_format=schema_format(SCHEMAS[j], f"s{j}"),
-        )
+        r = create(client, f"Answer {j} in JSON.", temperature=1.0, seed=j, max_tokens=60,
+                   response_format=schema_format(SCHEMAS[j], f"s{j}"))
         assert r.choices[0].finish_reason == "stop", r
         return r.choices[0].message.content
 
-    with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(ask, range(8)))
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(8)))
+    finally:
+        done.set()
+        watcher.join()
+    assert max(running) >= 2, running  # they were batched together, not served one after another
     for schema, answer in zip(SCHEMAS, answers, strict=True):
         jsonschema.validate(json.loads(answer), schema)
 
@@ -259,14 +287,22 @@ def test_invalid_schema_is_a_400_naming_the_wrong_part(client):
 
     bad = {"type": "object", "properties": {"age": {"type": "integr"}}}
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                       response_format=schema_format(bad))
+        create(client, "Hi", response_format=schema_format(bad))
     error = err.value.body
     assert error["param"] == "response_format" and "$.properties.age.type" in error["message"], error
     assert "integr" in error["message"]
 
 
-def test_max_tokens_cutting_the_json_short_is_length_with_an_error(url):
-    out = chat(url, temperature=0, max_tokens=4, response_format=schema_format(SCHEMAS[0]))
-    choice = out["choices"][0]
-    assert choice["finish_reason"] == "length" and "will not parse" in choice["minillm_error"]
+def test_max_tokens_cutting_the_json_short_is_length_with_an_error(client):
+    """Whole and streamed: finish_reason "length", and minillm_error says the document will not parse."""
+    kwargs = dict(temperature=0, max_tokens=4, response_format=schema_format(SCHEMAS[0]))
+    choice = create(client, "Which city is the capital of France? Answer in JSON.", **kwargs).choices[0]
+    assert choice.finish_reason == "length" and "will not parse" in choice.model_extra["minillm_error"], choice
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(choice.message.content)
+    chunks = [c for c in create(client, "Which city is the capital of France? Answer in JSON.", **kwargs, stream=True)
+              if c.choices]
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "length" and "will not parse" in last.model_extra["minillm_error"], last
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
