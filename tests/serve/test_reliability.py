@@ -177,6 +177,42 @@ def test_a_second_signal_exits_at_once_with_status_1(tmp_path, calibration):
     assert "SIGTERM again: exiting now, 1 requests cut" in log.read_text()
 
 
+def test_a_multi_model_server_drains_on_sigterm_and_refuses_a_large_body_with_413(tmp_path, calibration):
+    """`minillm serve A --model B` starts as the one-model server does (server.serve_app): the same
+    body limit, in OpenAI's shape and counted, and the same drain (its own uvicorn.run had neither:
+    the body limit stayed 4 MiB and SIGTERM closed the socket under new clients)."""
+    proc, url, log = start(tmp_path, calibration, "--model", MODEL + ":int8", "--max-seq-len", "512",
+                           "--kv-cache-mib", "32", "--max-request-bytes", "2000", "--shutdown-timeout", "120")  # fmt: skip
+    try:
+        client = openai_client(url)
+        big = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a" * 3000, "max_tokens": 2})
+        refused = metrics(url)["minillm_request_refused_at_admission_total{reason=body_too_large}"]
+        undisturbed = [stream_text(client, p, 30) for p in PROMPTS[:2]]
+        threads, results, errors = in_threads(lambda p: stream_text(client, p, 30), [(p,) for p in PROMPTS[:2]])
+        deadline = time.monotonic() + 60
+        while metrics(url)["minillm_num_requests_running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        late = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        for t in threads:
+            t.join()
+        code = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    assert big.status_code == 413, big.text
+    error = big.json()["error"]
+    assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
+    assert "at most 2,000 bytes" in error["message"] and "--max-request-bytes" in error["message"]
+    assert refused == 1
+    assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+    assert errors == {} and [results[0], results[1]] == undisturbed
+    assert code == 0
+    assert "drained 2 requests (2 finished, 0 cancelled or failed)" in log.read_text()
+
+
 # --- faults, backpressure, limits: one server ----------------------------------------------------
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory, calibration):
