@@ -248,6 +248,8 @@ def test_an_injected_fault_ends_only_its_request(fault_server):
     assert [results[i] for i in range(8) if i != 5] == [alone[i] for i in range(8) if i != 5]
     key = 'minillm_request_failed_by_bug_total{stage=detokenizer}'
     assert after[key] - before.get(key, 0) == 1
+    key = "minillm_request_finished_total{reason=error}"  # its final state, counted once like every other
+    assert after[key] - before.get(key, 0) == 1
     assert ask(5) == alone[5]  # the worker serves the next request
     assert after["minillm_worker_alive"] == 1 and after["minillm_kv_cache_blocks_used"] == 0
     assert after["minillm_requests_tracked"] == 0
