@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 import minillm
 from minillm.runtime.loading import run_warmup
 from minillm.runtime.scheduler import BatchRequest, Scheduler
+from minillm.runtime.steps import prompt_text
 
 from . import logprobs as lp
 from .events import EventBus
@@ -301,7 +302,10 @@ class Worker:
         if tracer.console is not None:
             tracer.console.rule(f"request {job.request_id}  (waited {wait * 1e3:.1f} ms in the queue)")
         try:
-            n_prompt = len(minillm.tokenize(self.model, job.prompt, chat=job.chat))
+            t0 = time.perf_counter()  # rendered and tokenized once: the request takes the ids (prepared=)
+            text = prompt_text(self.model, job.prompt, chat=job.chat)
+            ids = self.model.tokenizer.encode(text, add_special_tokens=not job.chat)
+            prepared, n_prompt = (text, ids, time.perf_counter() - t0), len(ids)
             max_new = job.max_tokens or max(1, self.context - n_prompt)  # OpenAI's default: up to the context
             timeout = None
             if self.request_timeout_s is not None:  # the deadline counts from arrival: queue wait included
@@ -322,6 +326,7 @@ class Worker:
                 fault=job.fault,
                 constraint=job.constraint,
                 speculative=job.speculative,
+                prepared=prepared,
             )
             request.step_delay_s = job.slow_motion_s
             self.scheduler.add(request)  # refuses a request the pool could never hold (400)
