@@ -413,7 +413,12 @@ def test_a_300_request_soak_leaks_no_blocks_threads_or_descriptors(tmp_path, cal
     assert [r["blocks_used"] for r in result["phases"]] == [0, 0, 0]
     assert [r["tracked"] for r in result["phases"]] == [0, 0, 0]
     first = result["phases"][0]
-    assert all(r["threads"] <= first["threads"] and r["fds"] <= first["fds"] for r in result["phases"])
+    counts = [(r["threads"], r["fds"]) for r in result["phases"]]
+    assert all(r["threads"] <= first["threads"] for r in result["phases"]), counts
+    # one descriptor more than after the first phase is a client connection still closing (the soak's
+    # own verdict, which passed above, also allows the count before the first request); a leak adds one
+    # per cancelled or failed request: 10 a phase
+    assert all(r["fds"] <= first["fds"] + 1 for r in result["phases"]), counts
     assert sum(result["outcomes"].values()) == 300
     assert not [k for k in result["outcomes"] if "5xx" in k and not k.startswith("fault")]
     assert result["exit"] == 0
