@@ -31,6 +31,24 @@ def add_request_args(p: argparse.ArgumentParser, *, conversation: bool = False) 
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (same seed, same tokens)")
     add_openai_sampling_args(p)
+    _add_stop_args(p)
+    _add_trace_args(p)
+    _add_load_args(p)
+    p.add_argument(
+        "--file",
+        "-f",
+        default=None,
+        metavar="PATH",
+        help="attach a text file (UTF-8; '-' reads stdin): its text, a blank line, then the prompt "
+        "(in chat: the user message)",
+    )
+    p.add_argument("--speculative", default=None, metavar="DRAFT", help="draft: ngram | self-int8 | layers:K")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafted per pass (default 4)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _add_stop_args(p: argparse.ArgumentParser) -> None:
+    """When the request stops: stop strings, stop-token sequences, a deadline, the KV cache's size."""
     p.add_argument(
         "--stop",
         action="append",
@@ -66,6 +84,10 @@ def add_request_args(p: argparse.ArgumentParser, *, conversation: bool = False) 
         help="KV-cache size in positions (default prompt + max new tokens, at most the context); "
         "prompt + new tokens never exceed it (reason 'context full')",
     )
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    """How much of the request's trace is printed, and where its events go."""
     p.add_argument(
         "--verbosity",
         "-v",
@@ -82,6 +104,10 @@ def add_request_args(p: argparse.ArgumentParser, *, conversation: bool = False) 
     p.add_argument(
         "--trace-json", metavar="PATH", default=None, help="also write the trace events as JSON lines to PATH"
     )
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    """How the model is loaded and run: threads, weight and KV dtypes, kernels, LoRA adapters, warm-up."""
     p.add_argument(
         "--threads",
         type=int,
@@ -126,17 +152,6 @@ def add_request_args(p: argparse.ArgumentParser, *, conversation: bool = False) 
     p.add_argument(
         "--no-warmup", action="store_true", help="skip the warm-up request (the first request then pays one-time costs)"
     )
-    p.add_argument(
-        "--file",
-        "-f",
-        default=None,
-        metavar="PATH",
-        help="attach a text file (UTF-8; '-' reads stdin): its text, a blank line, then the prompt "
-        "(in chat: the user message)",
-    )
-    p.add_argument("--speculative", default=None, metavar="DRAFT", help="draft: ngram | self-int8 | layers:K")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafted per pass (default 4)")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 def add_openai_sampling_args(p: argparse.ArgumentParser) -> None:

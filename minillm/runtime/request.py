@@ -55,6 +55,9 @@ class Request:
             ``Constraint`` (``json_schema``, ``json_object``, ``regex``, ``lark``); None: free text.
         speculative: a :class:`~minillm.runtime.speculative.Speculative` or a draft name: decode by
             drafting and verifying (``speculative.py``); None decodes one token per pass.
+        prepared: ``(text, ids, seconds)`` when the caller already rendered and tokenized this very
+            prompt (the server does, to size the request): the text the model reads, its ids
+            ``[seq]`` int64 and the seconds that took; the prompt is then not tokenized again.
 
     Raises (on construction):
         InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
@@ -102,6 +105,7 @@ class Request:
         cancel=None,
         constraint=None,
         speculative=None,
+        prepared: tuple[str, np.ndarray, float] | None = None,
     ):
         spec = Speculative.of(speculative)  # checked before any model work
         if spec is not None and constraint is not None:  # a draft knows no grammar: its ids would need the mask
@@ -134,9 +138,12 @@ class Request:
         self.t0 = time.perf_counter()
         self.metrics = RequestMetrics()
         chat = steps.is_chat(prompt, chat)
-        text = steps.prompt_text(model, prompt, chat=chat)
-        self.prompt_ids = model.tokenizer.encode(text, add_special_tokens=not chat)  # [seq] int64
-        self.metrics.tokenize_s = time.perf_counter() - self.t0
+        if prepared is None:
+            text = steps.prompt_text(model, prompt, chat=chat)
+            self.prompt_ids = model.tokenizer.encode(text, add_special_tokens=not chat)  # [seq] int64
+            self.metrics.tokenize_s = time.perf_counter() - self.t0
+        else:
+            text, self.prompt_ids, self.metrics.tokenize_s = prepared
         self.metrics.prompt_tokens = len(self.prompt_ids)
         self._emit(
             "prepare",

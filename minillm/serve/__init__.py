@@ -51,69 +51,18 @@ def add_commands(sub) -> None:
         help="the name clients pass as `model` (default: MODEL as given), e.g. a short name for a local folder",
     )
     s.add_argument("--max-seq-len", type=int, default=None, metavar="N", help="cap on each request's KV cache")
-    s.add_argument("--max-num-seqs", type=int, default=16, metavar="N", help="requests running at once (default 16)")
-    s.add_argument(
-        "--kv-cache-mib",
-        type=float,
-        default=None,
-        metavar="MIB",
-        help="the paged KV-cache pool the running requests share (default 512, or with --memory-budget what "
-        "the budget leaves); a request that could never fit is refused with 400",
-    )
-    s.add_argument(
-        "--max-batched-tokens",
-        type=int,
-        default=512,
-        metavar="N",
-        help="tokens fed per step over all requests: long prompts go in chunks (default 512)",
-    )
-    s.add_argument("--block-size", type=int, default=16, metavar="N", help="positions per KV block (default 16)")
-    s.add_argument("--speculative", default=None, metavar="DRAFT", help="default draft: ngram | self-int8 | layers:K")
-    s.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafted per pass (default 4)")
+    _add_engine_args(s)
     s.add_argument("--threads", type=int, default=None, metavar="N", help="BLAS threads (default: all cores)")
     s.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
-    s.add_argument(
-        "--verbosity",
-        "-v",
-        choices=("quiet", "summary", "steps", "full"),
-        default="summary",
-        help="trace printed on the console for every request (default summary)",
-    )
-    s.add_argument(
-        "--keep-traces",
-        type=int,
-        default=100,
-        metavar="N",
-        help="finished requests whose trace GET /v1/traces/{id} keeps (default 100)",
-    )
-    s.add_argument(
-        "--startup-delay",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="wait this long before loading, on purpose (tests watch /health answer 503; "
-        "the /health JSON says the delay is deliberate)",
-    )
-    s.add_argument(
-        "--events-buffer",
-        type=int,
-        default=4096,
-        metavar="N",
-        help="events GET /v1/events keeps for pages that reconnect (Last-Event-ID); a page further behind "
-        "is dropped (default 4096)",
-    )
-    s.add_argument(
-        "--max-event-subscribers",
-        type=int,
-        default=32,
-        metavar="N",
-        help="event streams (live pages) open at once; one more gets 503 (default 32)",
-    )
-    s.add_argument("--open", action="store_true", help="print the live page's URL (GET /ui) and open it in a browser")
+    _add_observing_args(s)
     _add_reliability_flags(s)
     s.add_argument("--debug", action="store_true")
     s.set_defaults(run_command=_serve)
+    _add_bench_command(sub)
 
+
+def _add_bench_command(sub) -> None:
+    """``minillm bench``: load-test an OpenAI-compatible server, or switch between models (``--models``)."""
     b = sub.add_parser("bench", help="load-test an OpenAI-compatible server (minillm, vLLM, llama.cpp)")
     b.add_argument(
         "--models",
@@ -159,6 +108,71 @@ def add_commands(sub) -> None:
     )
     b.add_argument("--debug", action="store_true", help="show tracebacks")
     b.set_defaults(run_command=_bench)
+
+
+def _add_engine_args(s) -> None:
+    """The continuous batch, its KV-cache pool and speculative decoding (``runtime/scheduler.py``)."""
+    s.add_argument("--max-num-seqs", type=int, default=16, metavar="N", help="requests running at once (default 16)")
+    s.add_argument(
+        "--kv-cache-mib",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="the paged KV-cache pool the running requests share (default 512, or with --memory-budget what "
+        "the budget leaves); a request that could never fit is refused with 400",
+    )
+    s.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=512,
+        metavar="N",
+        help="tokens fed per step over all requests: long prompts go in chunks (default 512)",
+    )
+    s.add_argument("--block-size", type=int, default=16, metavar="N", help="positions per KV block (default 16)")
+    s.add_argument("--speculative", default=None, metavar="DRAFT", help="default draft: ngram | self-int8 | layers:K")
+    s.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="drafted per pass (default 4)")
+
+
+def _add_observing_args(s) -> None:
+    """What the server shows of its requests: console traces, kept traces, the event stream, the live page."""
+    s.add_argument(
+        "--verbosity",
+        "-v",
+        choices=("quiet", "summary", "steps", "full"),
+        default="summary",
+        help="trace printed on the console for every request (default summary)",
+    )
+    s.add_argument(
+        "--keep-traces",
+        type=int,
+        default=100,
+        metavar="N",
+        help="finished requests whose trace GET /v1/traces/{id} keeps (default 100)",
+    )
+    s.add_argument(
+        "--startup-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait this long before loading, on purpose (tests watch /health answer 503; "
+        "the /health JSON says the delay is deliberate)",
+    )
+    s.add_argument(
+        "--events-buffer",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="events GET /v1/events keeps for pages that reconnect (Last-Event-ID); a page further behind "
+        "is dropped (default 4096)",
+    )
+    s.add_argument(
+        "--max-event-subscribers",
+        type=int,
+        default=32,
+        metavar="N",
+        help="event streams (live pages) open at once; one more gets 503 (default 32)",
+    )
+    s.add_argument("--open", action="store_true", help="print the live page's URL (GET /ui) and open it in a browser")
 
 
 def _add_reliability_flags(s) -> None:

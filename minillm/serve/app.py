@@ -12,19 +12,12 @@ scheduler runs it in a continuous batch with the others (``worker.py``, ``runtim
 
 The model runs on one worker thread (``worker.py``); this module only moves bytes on the event loop.
 
-How a request ends, as OpenAI's ``finish_reason`` (minillm's own reason is in the choice's
-``minillm_stop_reason``):
-
-    eos, stop string, stop-token sequence     -> "stop"
-    max new tokens, context full              -> "length"
-    timed out (--request-timeout)             -> "length"  (partial text; minillm_stop_reason "timed out")
-    cancelled (the client went away)          -> "abort"   (as vLLM; nobody is left to read it)
+The answers' shapes (JSON and Server-Sent Events) and errors are built in ``responses.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -37,47 +30,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import minillm
 from minillm.runtime.constraint import Constraint, grammar_for
 
-from . import logprobs as lp
 from . import protocol as p
 from .events import EventStreamResponse, TooManySubscribers
 from .limits import DEFAULT_MAX_REQUEST_BYTES, max_token_bytes, prompt_too_long
-from .reliability import Channel, MiniLLMBug
-from .worker import Job, Outcome, QueueFullError, Worker
+from .reliability import Channel
+from .responses import APIError, final_response, runtime_error, sse, validation_error
+from .worker import Job, QueueFullError, Worker
 
-FINISH_REASON = {
-    minillm.StopReason.EOS: "stop",
-    minillm.StopReason.STOP_STRING: "stop",
-    minillm.StopReason.STOP_SEQUENCE: "stop",
-    minillm.StopReason.MAX_NEW_TOKENS: "length",
-    minillm.StopReason.CONTEXT_FULL: "length",
-    minillm.StopReason.TIMEOUT: "length",
-    minillm.StopReason.CANCELLED: "abort",
-}
+__all__ = ["APIError", "create_app"]
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait, seconds
 UI_PAGE = Path(__file__).parent / "static" / "ui.html"  # GET /ui (module-level: a test may point it elsewhere)
-
-
-class APIError(Exception):
-    """An error with its HTTP status, answered in OpenAI's shape ``{"error": {...}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        body = p.ErrorResponse(
-            error=p.ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
-        )
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
 def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
@@ -96,7 +58,14 @@ def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAU
         description="An OpenAI-compatible server for minillm (one worker thread, requests in arrival order).",
         max_body_size=max_request_bytes,  # Starlette's RequestBodyLimitMiddleware: 413 past it
     )
-    refused = worker.guard.counters.refused
+    _add_error_handlers(app, worker.guard.counters.refused, max_request_bytes)
+    _add_status_routes(app, worker, served_model)
+    _add_completion_routes(app, worker, served_model)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, refused, max_request_bytes: int) -> None:
+    """Every error in OpenAI's shape: FastAPI's 422 as 400, Starlette's 413 and 404, a bug as 500."""
 
     # --- errors: always OpenAI's shape, never FastAPI's 422 ------------------------------------
     @app.exception_handler(APIError)
@@ -124,7 +93,10 @@ def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAU
     async def on_bug(request: Request, exc: Exception):  # a bug in minillm: still OpenAI's shape
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error").response()
 
-    # --- endpoints ---------------------------------------------------------------------------
+
+def _add_status_routes(app: FastAPI, worker, served_model: str) -> None:
+    """/health, /metrics, /v1/models, /v1/traces/{id}, /v1/events and /ui."""
+
     @app.get("/health")
     async def health():
         if worker.guard.draining:
@@ -186,6 +158,11 @@ def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAU
             )
         return Response(page.read_bytes(), media_type="text/html; charset=utf-8")
 
+
+def _add_completion_routes(app: FastAPI, worker, served_model: str) -> None:
+    """POST /v1/chat/completions and /v1/completions: a job for the worker, answered as JSON or SSE."""
+    refused = worker.guard.counters.refused
+
     @app.post("/v1/chat/completions", response_model=p.ChatCompletion, responses=_ERRORS)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         if body.top_logprobs is not None and not body.logprobs:
@@ -224,10 +201,10 @@ def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAU
             raise
         if first[0] == "error":
             watcher.cancel()
-            raise _runtime_error(first[1])
+            raise runtime_error(first[1])
         if body.stream:
             return StreamingResponse(
-                _sse(job, first, body, body.model, chat, watcher), headers=headers, media_type="text/event-stream"
+                sse(job, first, body, body.model, chat, watcher), headers=headers, media_type="text/event-stream"
             )
         try:
             item = first
@@ -236,11 +213,9 @@ def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAU
         finally:
             watcher.cancel()
         if item[0] == "error":
-            raise _runtime_error(item[1])
-        response = _final_response(item[1], request_id, body.model, chat)
+            raise runtime_error(item[1])
+        response = final_response(item[1], request_id, body.model, chat)
         return JSONResponse(response.model_dump(), headers=headers)
-
-    return app
 
 
 _ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 404, 429, 503)}
@@ -301,7 +276,7 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         params = replace(minillm.SamplingParams.from_fields(body), top_logprobs=top_logprobs)
         speculative = _speculative(worker, body)
     except minillm.MiniLLMError as exc:
-        raise _runtime_error(exc) from None
+        raise runtime_error(exc) from None
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return Job(
         request_id,
@@ -363,137 +338,3 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
         if message["type"] == "http.disconnect":
             job.cancel.set()
             return
-
-
-def _runtime_error(exc: Exception) -> APIError:
-    """A MiniLLMError the runtime raised (its message names the fix) -> 400; anything else -> 500."""
-    if isinstance(exc, minillm.MiniLLMError):
-        return APIError(400, f"{type(exc).__name__}: {exc}", code=type(exc).__name__)
-    if isinstance(exc, MiniLLMBug):
-        return APIError(500, str(exc), "internal_error", code="minillm_bug")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
-
-
-def validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI's 422 -> a 400 naming the first bad field, its value and the allowed range."""
-    err = exc.errors()[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    if err.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})")
-    if err.get("type") == "unsupported_field":
-        field = err["ctx"]["field"]
-        return APIError(400, err["msg"], param=field, code="unsupported_field")
-    if param == "n":
-        return APIError(
-            400,
-            f"n={err.get('input')!r} is not supported: minillm runs one sequence per request; "
-            "send n=1 (or several requests)",
-            param="n",
-        )
-    got = f", got {err['input']!r}" if "input" in err and err["type"] != "missing" else ""
-    return APIError(400, f"{param or 'body'}: {err['msg']}{got}", param=param, code=err.get("type"))
-
-
-def _usage(o: Outcome) -> p.UsageInfo:
-    return p.UsageInfo(
-        prompt_tokens=o.prompt_tokens,
-        completion_tokens=o.completion_tokens,
-        total_tokens=o.prompt_tokens + o.completion_tokens,
-        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=o.cached_tokens),
-        load_s=o.load_s,
-        **(o.speculative or {}),
-    )
-
-
-def _chat_logprobs(o: Outcome) -> p.ChoiceLogprobs | None:
-    return None if o.logprobs is None else p.ChoiceLogprobs(content=o.logprobs)
-
-
-def _completion_logprobs(o: Outcome) -> p.CompletionLogprobs | None:
-    """The legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset."""
-    if o.logprobs is None:
-        return None
-    return p.CompletionLogprobs(
-        tokens=[e["token"] for e in o.logprobs],
-        token_logprobs=[e["logprob"] for e in o.logprobs],
-        top_logprobs=[{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in o.logprobs],
-        text_offset=lp.text_offsets(o.logprobs),
-    )
-
-
-def _final_response(o: Outcome, request_id: str, served_model: str, chat: bool):
-    finish, reason = FINISH_REASON[o.stop_reason], o.stop_reason.value
-    if chat:
-        choice = p.ChatCompletionChoice(
-            message=p.ChatMessageOut(content=o.text),
-            logprobs=_chat_logprobs(o),
-            finish_reason=finish,
-            minillm_stop_reason=reason,
-            minillm_error=o.incomplete,
-        )
-        return p.ChatCompletion(id=request_id, model=served_model, choices=[choice], usage=_usage(o))
-    choice = p.CompletionChoice(
-        text=o.text, logprobs=_completion_logprobs(o), finish_reason=finish, minillm_stop_reason=reason
-    )
-    return p.Completion(id=request_id, model=served_model, choices=[choice], usage=_usage(o))
-
-
-def _sse_line(obj) -> str:
-    data = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else json.dumps(obj)
-    return f"data: {data}\n\n"
-
-
-async def _sse(job: Job, first, body, served_model: str, chat: bool, watcher: asyncio.Task):
-    """Server-sent events in OpenAI's chunk shapes, ending with ``data: [DONE]``.
-
-    Logprobs (if asked) come in the chunk that carries finish_reason: they are read from the
-    request's trace, which is complete only at the end. Usage comes in a last chunk with no
-    choices when ``stream_options.include_usage`` is true.
-    """
-    rid, include_usage = job.request_id, bool(body.stream_options and body.stream_options.include_usage)
-    usage_none = {"usage": None} if include_usage else {}
-
-    def chunk(delta: str | None = None, role: str | None = None, outcome: Outcome | None = None):
-        finish = FINISH_REASON[outcome.stop_reason] if outcome else None
-        reason = outcome.stop_reason.value if outcome else None
-        if chat:
-            choice = p.ChatCompletionChunkChoice(
-                delta=p.DeltaMessage(role=role, content=delta),
-                logprobs=_chat_logprobs(outcome) if outcome else None,
-                finish_reason=finish,
-                minillm_stop_reason=reason,
-                minillm_error=outcome.incomplete if outcome else None,
-            )
-            return p.ChatCompletionChunk(id=rid, model=served_model, choices=[choice], **usage_none)
-        choice = p.CompletionChoice(
-            text=delta or "",
-            logprobs=_completion_logprobs(outcome) if outcome else None,
-            finish_reason=finish,
-            minillm_stop_reason=reason,
-        )
-        return p.Completion(id=rid, model=served_model, choices=[choice], **usage_none)
-
-    try:
-        if chat:
-            yield _sse_line(chunk("", role="assistant"))
-        item = first
-        while True:
-            kind, value = item
-            if kind == "delta":
-                yield _sse_line(chunk(value))
-            elif kind == "error":  # after text was sent the status is already 200: say it in the stream
-                err = _runtime_error(value)
-                yield _sse_line({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
-                break
-            else:
-                yield _sse_line(chunk(outcome=value))
-                if include_usage:
-                    cls = p.ChatCompletionChunk if chat else p.Completion
-                    yield _sse_line(cls(id=rid, model=served_model, choices=[], usage=_usage(value)))
-                break
-            item = await job.channel.get()
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancel.set()  # the client went away mid-stream (or we are done: then it changes nothing)
-        watcher.cancel()

@@ -27,8 +27,10 @@ def plan_table(plan: MemoryPlan) -> Table:
     return table
 
 
-def build_registry(args: argparse.Namespace, console: Console) -> ModelRegistry:
-    """The registry for ``args`` with every plan made. Raises MemoryBudgetError (and what resolving raises)."""
+def build_registry(args: argparse.Namespace, console: Console, speculative=None) -> ModelRegistry:
+    """The registry for ``args`` with every plan made, its one guard and event stream set from the
+    flags (as the single-model server's). Raises MemoryBudgetError (and what resolving raises)."""
+    from .events import EventBus
     from .metrics import ServerMetrics
 
     dtype = args.weight_dtype or "float32"
@@ -58,6 +60,10 @@ def build_registry(args: argparse.Namespace, console: Console) -> ModelRegistry:
         max_batched_tokens=args.max_batched_tokens,
         block_size=args.block_size,
     )
+    # before plan_all hands them to every slot: the flags of backpressure, the fault hook, the events
+    registry.guard.stream_buffer, registry.guard.test_faults = args.stream_buffer, args.test_faults
+    registry.events = EventBus(args.events_buffer, args.max_event_subscribers, log=console.print)
+    registry.speculative = speculative
     registry.plan_all()
     return registry
 
@@ -81,28 +87,27 @@ def _rss_now() -> int:
     return _rss()
 
 
-def run_registry(args: argparse.Namespace, console: Console, err: Console) -> int:
-    """Plan every model (refusing one that cannot fit, exit status 2), print the plans, serve."""
-    import uvicorn
-
+def build_registry_app(args: argparse.Namespace, console: Console, err: Console, speculative=None):
+    """(app, guard) for several models: plan every model, print the plans and the banner. None when
+    a model cannot fit (or a name is given twice): said on ``err``; the caller exits 2.
+    ``server.serve_app`` runs the app, as it runs the single-model one."""
     from .app import create_app
 
     try:
-        registry = build_registry(args, console)
+        registry = build_registry(args, console, speculative)
     except MiniLLMError as exc:
         err.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
-        return 2
+        return None
     for slot in registry.slots.values():
         console.print(plan_table(slot.plan))
         console.print(slot.plan.kv_line())
     if registry.budget is not None:
         console.print(f"memory budget {format_bytes(registry.budget)}; runtime {format_bytes(registry.runtime_bytes)}")
-    app = create_app(registry, registry.specs[0].served)
+    app = create_app(registry, registry.specs[0].served, max_request_bytes=args.max_request_bytes)
     add_routes(app, registry)
     names = ", ".join(registry.slots)
     console.print(
         f"minillm serve: {names} on http://{args.host}:{args.port} (loading {registry.specs[0].served} in the "
         "background; GET /health answers 200 when it is ready, the others load on demand)"
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
-    return 0
+    return app, registry.guard

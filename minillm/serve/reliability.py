@@ -132,13 +132,18 @@ class Guard:
             return False
         stage, exc = error
         self.counters.failed.labels(stage=stage).inc()
+        worker._count_tokens(a.request)  # what it computed before the bug was computed
+        worker.metrics.finished.labels(reason="error").inc()  # its final state, as any other request's
         worker._remember(a.job, None, a.wait, a.tracer.events, note=f"minillm bug in its {stage}: {describe(exc)}")
         a.job.send("error", MiniLLMBug(stage, exc, a.job.request_id))
         return True
 
     def bug(self, worker, job, stage: str, exc: Exception) -> None:
-        """A bug outside any one request's step (admission, answering): answer that job, count it."""
+        """A bug outside any one request's step (admission, answering): answer that job, count it.
+        (A bug in answering may come after the request's final state was counted: only admission's counts it.)"""
         self.counters.failed.labels(stage=stage).inc()
+        if stage == "admission":
+            worker.metrics.finished.labels(reason="error").inc()
         worker.active = {i: a for i, a in worker.active.items() if a.job is not job}
         worker._remember(job, None, 0.0, [], note=f"minillm bug in {stage}: {describe(exc)}")
         job.send("error", MiniLLMBug(stage, exc, job.request_id))

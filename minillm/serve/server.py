@@ -11,22 +11,48 @@ from rich.console import Console
 
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C; returns the exit status: 0 after a drain (``shutdown.py``),
-    1 when a second signal cut it short, 2 for a bad flag.
+    1 when a second signal cut it short, 2 for a bad flag or a model that cannot fit.
 
     The socket listens at once; the model loads on the worker thread (GET /health: 503, then 200).
     A port already in use ends it at once (status 2, before the banner): nothing was started.
+    One model or several (``multi_server.py``), the same :func:`serve_app` runs the app.
     """
-    import uvicorn
-
-    from .app import create_app
-    from .events import EventBus
-    from .limits import DeclaredLengthLimit
-    from .metrics import ServerMetrics
-    from .reliability import Guard
-    from .shutdown import DrainingServer, SmallBufferH11
-    from .worker import Worker
+    import minillm
 
     err = Console(stderr=True)
+    if (problem := flag_problem(args)) is not None:
+        err.print(f"[bold red]error:[/] {problem}")
+        return 2
+    try:
+        speculative = minillm.Speculative(args.speculative, args.num_speculative_tokens) if args.speculative else None
+    except minillm.MiniLLMError as exc:
+        err.print(f"[bold red]error:[/] --speculative / --num-speculative-tokens: {exc}")
+        return 2
+    console = Console(highlight=False)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        err.print(f"[bold red]error:[/] {port_problem(args.host, args.port, exc)}", soft_wrap=True)
+        return 2
+    if _several_models(args):  # models.py: plans, on-demand loads, eviction
+        from .multi_server import build_registry_app
+
+        built = build_registry_app(args, console, err, speculative)
+        if built is None:  # a model that cannot fit, or a name given twice: said on stderr
+            sock.close()
+            return 2
+    else:
+        built = _one_model_app(args, console, speculative)
+    app, guard = built
+    if args.open:
+        _open_page(console, f"http://{args.host}:{args.port}/ui")
+    if args.test_faults:
+        console.print("minillm serve: --test-faults: requests may ask for an injected fault (tests only)")
+    return serve_app(app, guard, sock, args, console)
+
+
+def flag_problem(args: argparse.Namespace) -> str | None:
+    """The first flag of ``minillm serve`` out of its range, said as the fix; None when all are good."""
     checks = [
         (args.max_queue >= 1, "--max-queue must be >= 1"),
         (args.threads is None or args.threads >= 1, "--threads must be >= 1"),
@@ -47,27 +73,17 @@ def run_server(args: argparse.Namespace) -> int:
         (args.max_header_bytes >= 1024, "--max-header-bytes must be >= 1024"),
         (args.socket_send_buffer >= 4096, "--socket-send-buffer must be >= 4096 bytes"),
     ]
-    for ok, message in checks:
-        if not ok:
-            err.print(f"[bold red]error:[/] {message}")
-            return 2
-    import minillm
+    return next((message for ok, message in checks if not ok), None)
 
-    try:
-        speculative = minillm.Speculative(args.speculative, args.num_speculative_tokens) if args.speculative else None
-    except minillm.MiniLLMError as exc:
-        err.print(f"[bold red]error:[/] --speculative / --num-speculative-tokens: {exc}")
-        return 2
-    console = Console(highlight=False)
-    if _several_models(args):  # models.py: plans, on-demand loads, eviction
-        from .multi_server import run_registry
 
-        return run_registry(args, console, err)
-    try:
-        sock = bind(args.host, args.port)
-    except OSError as exc:
-        err.print(f"[bold red]error:[/] {port_problem(args.host, args.port, exc)}", soft_wrap=True)
-        return 2
+def _one_model_app(args: argparse.Namespace, console: Console, speculative):
+    """(app, guard) for one model on one :class:`~minillm.serve.worker.Worker`; prints the banner."""
+    from .app import create_app
+    from .events import EventBus
+    from .metrics import ServerMetrics
+    from .reliability import Guard
+    from .worker import Worker
+
     metrics = ServerMetrics()
     worker = Worker(
         args.model,
@@ -95,11 +111,23 @@ def run_server(args: argparse.Namespace) -> int:
         f"minillm serve: {served} on http://{args.host}:{args.port} (loading in the background; "
         "GET /health answers 200 when ready)"
     )
-    if args.open:
-        _open_page(console, f"http://{args.host}:{args.port}/ui")
-    if args.test_faults:
-        console.print("minillm serve: --test-faults: requests may ask for an injected fault (tests only)")
-    refused = worker.guard.counters.refused.labels(reason="body_too_large")
+    return app, worker.guard
+
+
+def serve_app(app, guard, sock: socket.socket, args: argparse.Namespace, console: Console) -> int:
+    """Run ``app`` under uvicorn on ``sock`` until the drain ends; the one start of every server.
+
+    What wraps it, for one model or several: the 413 on a declared ``Content-Length`` over
+    ``--max-request-bytes`` (``limits.py``), uvicorn's h11 with small write buffers and the header
+    limit ``--max-header-bytes``, the kernel send buffer ``--socket-send-buffer``, and the drain on
+    the first SIGTERM/SIGINT (``shutdown.py``). Returns 0 after a drain, 1 after a second signal.
+    """
+    import uvicorn
+
+    from .limits import DeclaredLengthLimit
+    from .shutdown import DrainingServer, SmallBufferH11
+
+    refused = guard.counters.refused.labels(reason="body_too_large")
     config = uvicorn.Config(
         DeclaredLengthLimit(app, args.max_request_bytes, on_refused=refused.inc),
         host=args.host,
@@ -109,8 +137,8 @@ def run_server(args: argparse.Namespace) -> int:
         http=SmallBufferH11,  # uvicorn's h11: its header limit is the one --max-header-bytes sets
         h11_max_incomplete_event_size=args.max_header_bytes,
     )
-    server = DrainingServer(config, worker.guard, args.shutdown_timeout, console)
-    # `sock`, bound above (a port in use is said before the banner): accepted connections inherit its
+    server = DrainingServer(config, guard, args.shutdown_timeout, console)
+    # `sock`, bound before the banner (a port in use is said first): accepted connections inherit its
     # send buffer, so what the kernel holds for a slow reader stays small, the stream's own buffer
     # (--stream-buffer) fills and the request is shed instead of piling up.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, args.socket_send_buffer)

@@ -19,87 +19,27 @@ Only the public ``minillm`` API and the runtime's scheduler are used here.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import math
 import queue
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import minillm
 from minillm.runtime.loading import run_warmup
 from minillm.runtime.scheduler import BatchRequest, Scheduler
+from minillm.runtime.steps import prompt_text
 
 from . import logprobs as lp
 from .events import EventBus
+from .jobs import Active, Job, Outcome, QueueFullError
 from .live import LiveFeed
 from .metrics import ServerMetrics
 from .reliability import Guard, GuardedRequest
 
-
-@dataclass
-class Job:
-    """One request as the worker sees it: what to run and where to send what it makes.
-
-    ``channel`` receives ``("delta", text)``, then either ``("done", Outcome)`` or
-    ``("error", MiniLLMError)``; nothing after that.
-    """
-
-    request_id: str
-    prompt: str | list[dict]  # a completion prompt, or chat messages
-    chat: bool
-    params: minillm.SamplingParams
-    max_tokens: int | None  # None: up to the context
-    stop: list[str] | None
-    top_logprobs: int | None  # None: no logprobs; 0..20: that many alternatives per token
-    loop: asyncio.AbstractEventLoop
-    channel: asyncio.Queue
-    cancel: threading.Event = field(default_factory=threading.Event)
-    speculative: minillm.Speculative | None = None  # the body's, else the server's default
-    arrival: float = field(default_factory=time.perf_counter)  # seconds (perf_counter)
-    slow_motion_s: float = 0.0  # seconds it sits out after each of its steps (the live page's control)
-    fault: dict | None = None  # --test-faults only: {"stage": ..., "at_token": N} (reliability.py)
-    model: str = ""  # the served name the request named (a multi-model server routes by it)
-    load_s: float = 0.0  # seconds of the model load this request waited for (models.py), else 0
-    constraint: object = None  # a minillm Constraint (response_format), or None: free text
-
-    def send(self, kind: str, value) -> None:
-        """Hand an item to the event loop thread-safely (never blocks the worker)."""
-        self.loop.call_soon_threadsafe(self.channel.put_nowait, (kind, value))
-
-
-@dataclass
-class Outcome:
-    """How a request ended, in the units the HTTP layer needs (tokens, seconds)."""
-
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    stop_reason: minillm.StopReason
-    queue_wait_s: float
-    ttft_s: float | None  # from arrival (queue wait included) to the first token; None if no token
-    logprobs: list[dict] | None  # one entry per output token: token, logprob, top alternatives
-    cached_tokens: int = 0  # prompt tokens whose keys and values came from the pool's prefix cache
-    load_s: float = 0.0  # seconds of the model load the request waited for (ollama's load_duration)
-    incomplete: str | None = None  # a constrained answer cut short: why it is not a whole document
-    speculative: dict | None = None  # target_passes, drafted_tokens, accepted_tokens (speculative requests)
-
-
-class QueueFullError(Exception):
-    """More requests wait than ``max_queue`` allows (the HTTP layer answers 429)."""
-
-
-@dataclass
-class Active:
-    """A job the scheduler is running: its request, its trace, how much text was sent."""
-
-    job: Job
-    request: BatchRequest
-    tracer: minillm.Tracer
-    wait: float
-    sent: int = 0  # deltas of request.deltas already sent
+__all__ = ["Active", "Job", "Outcome", "QueueFullError", "Worker"]
 
 
 class Worker:
@@ -301,7 +241,10 @@ class Worker:
         if tracer.console is not None:
             tracer.console.rule(f"request {job.request_id}  (waited {wait * 1e3:.1f} ms in the queue)")
         try:
-            n_prompt = len(minillm.tokenize(self.model, job.prompt, chat=job.chat))
+            t0 = time.perf_counter()  # rendered and tokenized once: the request takes the ids (prepared=)
+            text = prompt_text(self.model, job.prompt, chat=job.chat)
+            ids = self.model.tokenizer.encode(text, add_special_tokens=not job.chat)
+            prepared, n_prompt = (text, ids, time.perf_counter() - t0), len(ids)
             max_new = job.max_tokens or max(1, self.context - n_prompt)  # OpenAI's default: up to the context
             timeout = None
             if self.request_timeout_s is not None:  # the deadline counts from arrival: queue wait included
@@ -322,6 +265,7 @@ class Worker:
                 fault=job.fault,
                 constraint=job.constraint,
                 speculative=job.speculative,
+                prepared=prepared,
             )
             request.step_delay_s = job.slow_motion_s
             self.scheduler.add(request)  # refuses a request the pool could never hold (400)

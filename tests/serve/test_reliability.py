@@ -2,7 +2,8 @@
 
 Each test starts the server as a subprocess (``test_serve.running_server``) and talks to it with the
 official `openai` client, httpx, or a raw socket (the slow reader). Every assert is on texts, counts,
-statuses and exit codes, never on durations.
+statuses and exit codes; the one timing (the other streams' TPOT beside a slow reader) is asserted
+only when other processes kept less than half a core busy (``calibrate.BUSY_CORES``).
 
 The diagnosis calibration is seeded as measured on a quiet machine: on a busy one (CI) it is
 measured again at every request's summary, a pause of seconds on the worker thread that has
@@ -177,18 +178,54 @@ def test_a_second_signal_exits_at_once_with_status_1(tmp_path, calibration):
     assert "SIGTERM again: exiting now, 1 requests cut" in log.read_text()
 
 
+def test_a_multi_model_server_drains_on_sigterm_and_refuses_a_large_body_with_413(tmp_path, calibration):
+    """`minillm serve A --model B` starts as the one-model server does (server.serve_app): the same
+    body limit, in OpenAI's shape and counted, and the same drain (its own uvicorn.run had neither:
+    the body limit stayed 4 MiB and SIGTERM closed the socket under new clients)."""
+    proc, url, log = start(tmp_path, calibration, "--model", MODEL + ":int8", "--max-seq-len", "512",
+                           "--kv-cache-mib", "32", "--max-request-bytes", "2000", "--shutdown-timeout", "120")  # fmt: skip
+    try:
+        client = openai_client(url)
+        big = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "a" * 3000, "max_tokens": 2})
+        refused = metrics(url)["minillm_request_refused_at_admission_total{reason=body_too_large}"]
+        undisturbed = [stream_text(client, p, 30) for p in PROMPTS[:2]]
+        threads, results, errors = in_threads(lambda p: stream_text(client, p, 30), [(p,) for p in PROMPTS[:2]])
+        deadline = time.monotonic() + 60
+        while metrics(url)["minillm_num_requests_running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        late = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        for t in threads:
+            t.join()
+        code = proc.wait(timeout=120)
+    finally:
+        stop(proc)
+    assert big.status_code == 413, big.text
+    error = big.json()["error"]
+    assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
+    assert "at most 2,000 bytes" in error["message"] and "--max-request-bytes" in error["message"]
+    assert refused == 1
+    assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+    assert errors == {} and [results[0], results[1]] == undisturbed
+    assert code == 0
+    assert "drained 2 requests (2 finished, 0 cancelled or failed)" in log.read_text()
+
+
 # --- faults, backpressure, limits: one server ----------------------------------------------------
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory, calibration):
     proc, url, log = start(tmp_path_factory.mktemp("faults"), calibration, "--test-faults", "--stream-buffer", "8")
-    yield url, log
+    yield url, log, proc.pid
     stop(proc)
 
 
 def test_an_injected_fault_ends_only_its_request(fault_server):
     import openai
 
-    url, _ = fault_server
+    url, *_ = fault_server
     client = openai_client(url)
     prompts = [f"Story {i}: Once upon a time" for i in range(8)]
 
@@ -211,6 +248,8 @@ def test_an_injected_fault_ends_only_its_request(fault_server):
     assert [results[i] for i in range(8) if i != 5] == [alone[i] for i in range(8) if i != 5]
     key = 'minillm_request_failed_by_bug_total{stage=detokenizer}'
     assert after[key] - before.get(key, 0) == 1
+    key = "minillm_request_finished_total{reason=error}"  # its final state, counted once like every other
+    assert after[key] - before.get(key, 0) == 1
     assert ask(5) == alone[5]  # the worker serves the next request
     assert after["minillm_worker_alive"] == 1 and after["minillm_kv_cache_blocks_used"] == 0
     assert after["minillm_requests_tracked"] == 0
@@ -219,7 +258,7 @@ def test_an_injected_fault_ends_only_its_request(fault_server):
 def test_a_fault_after_text_was_streamed_ends_the_stream_with_an_error(fault_server):
     import openai
 
-    url, _ = fault_server
+    url, *_ = fault_server
     client = openai_client(url)
     with pytest.raises(openai.APIError, match="in its stop chain"):
         stream_text(client, "Once upon a time", 20, extra_body={"minillm_test_fault": {"stage": "stop", "at_token": 5}})
@@ -229,10 +268,66 @@ def test_a_fault_after_text_was_streamed_ends_the_stream_with_an_error(fault_ser
     assert "in its sampler" in r.json()["error"]["message"]
 
 
-def test_a_slow_reader_is_shed_and_the_others_get_their_tokens(fault_server):
-    url, _ = fault_server
+def stream_timed(client, prompt: str, max_tokens: int) -> tuple[str, float]:
+    """(text, TPOT in seconds at the client: between its first and last chunks with text, per gap)."""
+    parts, times = [], []
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True):  # fmt: skip
+        if chunk.choices and chunk.choices[0].text:
+            parts.append(chunk.choices[0].text)
+            times.append(time.perf_counter())
+    return "".join(parts), (times[-1] - times[0]) / max(1, len(times) - 1)
+
+
+def rounds_of_four(client, seconds: float) -> list[list[tuple[str, float]]]:
+    """The 4 prompts streamed together (40 tokens each), round after round for ``seconds``."""
+    out, end = [], time.monotonic() + seconds
+    while not out or time.monotonic() < end:
+        threads, results, errors = in_threads(lambda p: stream_timed(client, p, 40), [(p,) for p in PROMPTS])
+        for t in threads:
+            t.join()
+        assert errors == {}, errors
+        out.append([results[i] for i in range(4)])
+    return out
+
+
+class Neighbours:
+    """Cores other processes kept busy meanwhile (not this one, not the server: ``pid``)."""
+
+    def __init__(self, pid: int):
+        import psutil
+
+        self.server = psutil.Process(pid)
+
+    def __enter__(self):
+        from minillm.observe.metrics import cpu_snapshot
+
+        self.before, self.server_before = cpu_snapshot(), sum(self.server.cpu_times()[:2])
+        return self
+
+    def __exit__(self, *exc):
+        import os
+
+        from minillm.observe.metrics import cpu_snapshot, others_cpu_share
+
+        wall, busy, own = cpu_snapshot()
+        server = sum(self.server.cpu_times()[:2]) - self.server_before
+        self.cores = others_cpu_share(self.before, (wall, busy - server, own)) * os.cpu_count()
+
+
+def test_a_slow_reader_is_shed_and_the_others_keep_their_tokens_and_tpot(fault_server):
+    """A client reading one byte a second for 20 s while 4 others stream, round after round: theirs
+    are the tokens of an undisturbed run (always) and their TPOT within 1.5 times that of the same
+    4 streams without it (on a quiet machine); the slow one ends cancelled with the reason, counted."""
+    from statistics import median
+
+    from minillm.observe.calibrate import BUSY_CORES
+
+    url, _, pid = fault_server
     client = openai_client(url)
-    undisturbed = [stream_text(client, p, 40) for p in PROMPTS]
+    undisturbed = [stream_text(client, p, 40)[0] for p in PROMPTS]
+    with Neighbours(pid) as quiet_run:
+        alone = rounds_of_four(client, 0)
     before = metrics(url)["minillm_request_shed_by_backpressure_total"]
     slow = socket.socket()
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -246,25 +341,34 @@ def test_a_slow_reader_is_shed_and_the_others_get_their_tokens(fault_server):
         response_head += slow.recv(1)
     rid = next(line.split(":", 1)[1].strip() for line in response_head.decode().splitlines()
                if line.lower().startswith("x-request-id"))  # fmt: skip
-    threads, results, errors = in_threads(lambda p: stream_text(client, p, 40), [(p,) for p in PROMPTS])
-    deadline = time.monotonic() + 300
-    while metrics(url)["minillm_request_shed_by_backpressure_total"] == before and time.monotonic() < deadline:
-        slow.recv(1)  # one byte a second
-        time.sleep(1.0)
-    for t in threads:
-        t.join()
+    disturbed = []
+    with Neighbours(pid) as busy_run:
+        others = threading.Thread(target=lambda: disturbed.extend(rounds_of_four(client, 20.0)))
+        others.start()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20.0 or (
+            metrics(url)["minillm_request_shed_by_backpressure_total"] == before and time.monotonic() - t0 < 300
+        ):
+            slow.recv(1)  # one byte a second
+            time.sleep(1.0)
+        others.join()
     slow.close()
     assert metrics(url)["minillm_request_shed_by_backpressure_total"] - before == 1
-    assert errors == {} and [results[i] for i in range(4)] == undisturbed
+    assert disturbed and all([text for text, _ in r] == undisturbed for r in disturbed + alone)
     trace = httpx.get(f"{url}/v1/traces/{rid}").json()
     stop_event = next(e for e in trace["events"] if e["phase"] == "stop")
     assert stop_event["data"]["reason"] == "cancelled"
     assert "the client read too slowly" in stop_event["data"]["condition"]
     assert "(--stream-buffer 8)" in stop_event["data"]["condition"]
+    ratio = median(t for r in disturbed for _, t in r) / median(t for r in alone for _, t in r)
+    print(f"TPOT with the slow reader / without: {ratio:.2f} ({len(disturbed)} rounds; other processes kept "
+          f"{quiet_run.cores:.1f} and {busy_run.cores:.1f} cores busy)")
+    if max(quiet_run.cores, busy_run.cores) < BUSY_CORES:  # timings are the server's own only on a quiet machine
+        assert ratio < 1.5
 
 
 def test_limits_refuse_in_openai_shape_before_model_work(fault_server):
-    url, _ = fault_server
+    url, *_ = fault_server
     before = metrics(url)
     big = httpx.post(url + "/v1/completions", content=b'{"model": "x", "prompt": "' + b"a" * (5 * 2**20) + b'"}',
                      headers={"content-type": "application/json"})  # fmt: skip
@@ -309,7 +413,12 @@ def test_a_300_request_soak_leaks_no_blocks_threads_or_descriptors(tmp_path, cal
     assert [r["blocks_used"] for r in result["phases"]] == [0, 0, 0]
     assert [r["tracked"] for r in result["phases"]] == [0, 0, 0]
     first = result["phases"][0]
-    assert all(r["threads"] <= first["threads"] and r["fds"] <= first["fds"] for r in result["phases"])
+    counts = [(r["threads"], r["fds"]) for r in result["phases"]]
+    assert all(r["threads"] <= first["threads"] for r in result["phases"]), counts
+    # one descriptor more than after the first phase is a client connection still closing (the soak's
+    # own verdict, which passed above, also allows the count before the first request); a leak adds one
+    # per cancelled or failed request: 10 a phase
+    assert all(r["fds"] <= first["fds"] + 1 for r in result["phases"]), counts
     assert sum(result["outcomes"].values()) == 300
     assert not [k for k in result["outcomes"] if "5xx" in k and not k.startswith("fault")]
     assert result["exit"] == 0

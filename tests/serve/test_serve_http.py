@@ -227,3 +227,20 @@ def test_max_queue_lets_exactly_n_wait_and_refuses_the_next_with_429(model):
     assert [r.status_code for r in answered] == [200] * 5
     assert [r.json()["choices"][0]["text"] for r in answered] == ["ABCDEFG"] * 5
     assert counts(worker)["rejected"] == 1 and counts(worker)["finished"] == {"max new tokens": 5.0}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_the_prompt_is_rendered_and_tokenized_once_per_request(model, monkeypatch, chat):
+    """The worker sizes the request with the prompt's ids and hands them to it (``prepared=``):
+    one encode per request, and the request's trace and usage count the same ids."""
+    worker, app = served(model)
+    encode, calls = model.tokenizer.encode, []
+    monkeypatch.setattr(model.tokenizer, "encode", lambda *a, **k: calls.append(a) or encode(*a, **k))
+    path, body = body_of(chat, temperature=0, max_tokens=3)
+    answer = asyncio.run(call(app, worker, path, body))
+    assert answer.status_code == 200, answer.text
+    assert len(calls) == 1
+    assert answer.json()["usage"]["prompt_tokens"] == PROMPT_TOKENS[chat]
+    trace = worker.trace(answer.json()["id"])
+    tokenize = next(e for e in trace["events"] if e["phase"] == "tokenize")
+    assert len(tokenize["data"]["ids"]) == PROMPT_TOKENS[chat]

@@ -1,0 +1,75 @@
+"""What the HTTP layer and the worker thread hand each other: a :class:`Job` in, its items and
+:class:`Outcome` out, and the worker's own record of a running job (:class:`Active`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import minillm
+from minillm.runtime.scheduler import BatchRequest
+
+
+@dataclass
+class Job:
+    """One request as the worker sees it: what to run and where to send what it makes.
+
+    ``channel`` receives ``("delta", text)``, then either ``("done", Outcome)`` or
+    ``("error", MiniLLMError)``; nothing after that.
+    """
+
+    request_id: str
+    prompt: str | list[dict]  # a completion prompt, or chat messages
+    chat: bool
+    params: minillm.SamplingParams
+    max_tokens: int | None  # None: up to the context
+    stop: list[str] | None
+    top_logprobs: int | None  # None: no logprobs; 0..20: that many alternatives per token
+    loop: asyncio.AbstractEventLoop
+    channel: asyncio.Queue
+    cancel: threading.Event = field(default_factory=threading.Event)
+    speculative: minillm.Speculative | None = None  # the body's, else the server's default
+    arrival: float = field(default_factory=time.perf_counter)  # seconds (perf_counter)
+    slow_motion_s: float = 0.0  # seconds it sits out after each of its steps (the live page's control)
+    fault: dict | None = None  # --test-faults only: {"stage": ..., "at_token": N} (reliability.py)
+    model: str = ""  # the served name the request named (a multi-model server routes by it)
+    load_s: float = 0.0  # seconds of the model load this request waited for (models.py), else 0
+    constraint: object = None  # a minillm Constraint (response_format), or None: free text
+
+    def send(self, kind: str, value) -> None:
+        """Hand an item to the event loop thread-safely (never blocks the worker)."""
+        self.loop.call_soon_threadsafe(self.channel.put_nowait, (kind, value))
+
+
+@dataclass
+class Outcome:
+    """How a request ended, in the units the HTTP layer needs (tokens, seconds)."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    stop_reason: minillm.StopReason
+    queue_wait_s: float
+    ttft_s: float | None  # from arrival (queue wait included) to the first token; None if no token
+    logprobs: list[dict] | None  # one entry per output token: token, logprob, top alternatives
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the pool's prefix cache
+    load_s: float = 0.0  # seconds of the model load the request waited for (ollama's load_duration)
+    incomplete: str | None = None  # a constrained answer cut short: why it is not a whole document
+    speculative: dict | None = None  # target_passes, drafted_tokens, accepted_tokens (speculative requests)
+
+
+class QueueFullError(Exception):
+    """More requests wait than ``max_queue`` allows (the HTTP layer answers 429)."""
+
+
+@dataclass
+class Active:
+    """A job the scheduler is running: its request, its trace, how much text was sent."""
+
+    job: Job
+    request: BatchRequest
+    tracer: minillm.Tracer
+    wait: float
+    sent: int = 0  # deltas of request.deltas already sent
