@@ -34,7 +34,15 @@ from dataclasses import dataclass
 import minillm
 from minillm.observe.events import TraceEvent
 from minillm.runtime.loading import WEIGHT_DTYPES, run_warmup
-from minillm.runtime.memory_plan import MIB, MemoryPlan, format_bytes, make_plan, measured_overhead
+from minillm.runtime.memory_plan import (
+    MIB,
+    MemoryPlan,
+    format_bytes,
+    make_plan,
+    measured_overhead,
+    rss_bytes,
+    trim_heap,
+)
 from minillm.runtime.scheduler import Scheduler
 
 from .events import EventBus
@@ -130,6 +138,9 @@ class ModelSlot(Worker):
 
     def unload(self) -> None:
         """Drop the model, its pool and scheduler (only ever called when idle)."""
+        held = self.guard.token_bytes  # the prompt check's (tokenizer, longest token) would keep it alive
+        if held is not None and self.model is not None and held[0] is self.model.tokenizer:
+            self.guard.token_bytes = None  # (an evicted model's tokenizer, which no plan counts any more)
         self.model = self.pool = self.scheduler = None
         self.state, self.status = "unloaded", "unloaded"
         gc.collect()
@@ -298,6 +309,7 @@ class ModelRegistry:
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
             return
         self.status = "ready"
+        busy = False
         while True:
             self._wake.clear()
             worked = False
@@ -307,6 +319,9 @@ class ModelRegistry:
                 if slot.state == "loaded":
                     worked |= slot.step()
             self._expire()
+            if busy and not worked:  # just gone idle: the steps' freed intermediates leave the resident set,
+                _trim_heap()  # so it is what the models hold (their plans), not what the last burst used
+            busy = worked
             if not worked:
                 self._wake.wait(timeout=0.05)
 
@@ -394,21 +409,5 @@ class ModelRegistry:
                 gauge.set_function(lambda n=spec.served, k=kind: self.slots[n].resident[k] if n in self.slots else 0)
 
 
-def _trim_heap() -> None:
-    """Hand freed heap memory back to the kernel (glibc's malloc_trim): a freed tokenizer's many small
-    objects otherwise stay in the process's resident set after an unload."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the memory is reused by the next load instead
-        pass
-
-
-def _rss() -> int:
-    """This process's resident set in bytes (/proc/self/status)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+_trim_heap = trim_heap  # a load's temporaries and a freed tokenizer's small objects leave the resident set
+_rss = rss_bytes  # this process's resident set in bytes (multi_server.py's plan route reads it too)
