@@ -206,11 +206,14 @@ class ModelRegistry:
 
     # --- the plan, before anything loads -------------------------------------------------------
     def plan_all(self) -> list[MemoryPlan]:
-        """Each model's plan from its config (resolving a model fetches it if it is not cached yet)."""
+        """Each model's plan from its config and tokenizer, read without its weights (``plan_files.py``)."""
         from minillm.model.config import ModelConfig
         from minillm.sources.hub import resolve_model
+        from minillm.sources.plan_files import plan_folder
 
-        folders = {s.served: resolve_model(s.source, progress=True).path for s in self.specs}
+        # config.json and the tokenizer only (sources/plan_files.py); a model whose config is only in
+        # its weights' file (an offline GGUF not fetched yet) is fetched first, as its load would
+        folders = {s.served: plan_folder(s.source) or resolve_model(s.source, progress=True).path for s in self.specs}
         measured = measured_overhead(list(folders.values()), SERVE_MODULES)
         self.runtime_bytes = measured["runtime"]
         o = self.options
