@@ -70,8 +70,8 @@ def _matrix_bytes(rows: int, cols: int, weight_dtype: str) -> int:
     if weight_dtype == "int8":
         return rows * cols + rows * 4
     raise InvalidRequestError(
-        f"the memory plan knows weight_dtype float32, bfloat16 and int8, not {weight_dtype!r} "
-        "(a GGUF's blocks are sized by its header, which a plan from the config alone does not read)."
+        f"the config sizes weights at float32, bfloat16 and int8, not {weight_dtype!r}; at 'gguf' the "
+        "file's header does: pass make_plan(..., weights=gguf_plan.gguf_weight_bytes(path, config))."
     )
 
 
@@ -352,6 +352,7 @@ def make_plan(
     budget: int | None = None,
     tokenizer: int = 0,
     runtime: int = 0,
+    weights: dict[str, int] | None = None,
 ) -> MemoryPlan:
     """The plan for ``config`` at these precisions and serving limits (bytes throughout).
 
@@ -360,14 +361,17 @@ def make_plan(
         kv_cache_mib: the pool's size; None: what ``budget`` leaves (no budget: 512 MiB, the server's default).
         budget: bytes the model may use in all, ``runtime`` included; None: no limit.
         tokenizer, runtime: measured bytes (:func:`measured_overhead`).
+        weights: ``{format: bytes}`` when the config cannot size them (``"gguf"``: the file's
+            header does, ``gguf_plan.gguf_weight_bytes``); None: :func:`weight_bytes`.
 
     Raises:
         MemoryBudgetError: with a budget, the weights + activations + tokenizer + runtime + one
             full-context request's KV do not fit; or an explicit pool that passes the budget.
-        InvalidRequestError: an unknown ``weight_dtype`` or ``kv_dtype``.
+        InvalidRequestError: an unknown ``kv_dtype``, or a ``weight_dtype`` the config cannot size
+            without ``weights``.
     """
     context = min(context or config.max_position_embeddings, config.max_position_embeddings)
-    weights = weight_bytes(config, weight_dtype)
+    weights = dict(weights) if weights is not None else weight_bytes(config, weight_dtype)
     per_token = kv_bytes_per_token(config, kv_dtype)
     per_block = per_token * block_size
     act = activation_bytes(config, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, context=context)

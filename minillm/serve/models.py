@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import minillm
 from minillm.observe.events import TraceEvent
+from minillm.runtime.gguf_plan import gguf_weight_bytes
 from minillm.runtime.loading import WEIGHT_DTYPES, run_warmup
 from minillm.runtime.memory_plan import (
     MIB,
@@ -219,11 +220,13 @@ class ModelRegistry:
         o = self.options
         for spec in self.specs:
             config = ModelConfig.from_folder(folders[spec.served])
+            packed = gguf_weight_bytes(_gguf_file(spec.source), config) if spec.weight_dtype == "gguf" else None
             plan = make_plan(
                 config, model=spec.served, weight_dtype=spec.weight_dtype, context=o.get("max_seq_len"),
                 max_num_seqs=o.get("max_num_seqs", 16), max_batched_tokens=o.get("max_batched_tokens", 512),
                 block_size=o.get("block_size", 16), kv_cache_mib=self.kv_cache_mib, budget=self.budget,
                 tokenizer=measured["tokenizers"][str(folders[spec.served])], runtime=self.runtime_bytes,
+                weights=packed,
             )  # fmt: skip
             self.slots[spec.served] = ModelSlot(
                 spec, plan, self, metrics=self.metrics, console=self.console, guard=self.guard, events=self.events, **o
@@ -410,6 +413,14 @@ class ModelRegistry:
             for kind in ("weights", "kv_pool"):
                 gauge = self._resident.labels(model=spec.served, kind=kind)
                 gauge.set_function(lambda n=spec.served, k=kind: self.slots[n].resident[k] if n in self.slots else 0)
+
+
+def _gguf_file(source: str):
+    """The model's GGUF file for a ``:gguf`` plan: its header sizes the packed weights (the cached
+    file, else fetched as the load would fetch it: ``sources.hub.resolve_gguf``)."""
+    from minillm.sources.hub import resolve_gguf
+
+    return resolve_gguf(source, progress=True)
 
 
 _trim_heap = trim_heap  # a load's temporaries and a freed tokenizer's small objects leave the resident set
