@@ -8,7 +8,7 @@ numbers that come from the model's ``config.json`` and the chosen precisions, ne
     KV pool       num_blocks * block_size positions * kv_bytes_per_token (paged_kv_cache.py's formula)
     activations   the largest batch step's intermediates: max_batched_tokens rows through one layer,
                   a full-context prefill chunk's scores, max_num_seqs decode rows' gathered keys, logits
-    tokenizer     measured: a subprocess's RSS before and after reading this tokenizer (cached)
+    tokenizer     measured: what a subprocess holds once it read and used it, freed memory trimmed (cached)
     runtime       measured: the RSS of a process that imported NumPy and minillm (cached)
 
 The weights' bytes per format::
@@ -16,6 +16,7 @@ The weights' bytes per format::
     float32     rows * cols * 4
     bfloat16    rows * cols * 2
     int8        rows * cols * 1 + rows * 4      (one float32 scale per output row)
+    gguf        each tensor's blocks as the file packs them, sized from its header (gguf_plan.py)
 
 With a budget and no KV size given, the pool gets what the budget leaves once everything else is
 counted; a model whose weights plus one full-context request cannot fit is refused with the numbers.
