@@ -8,7 +8,7 @@ numbers that come from the model's ``config.json`` and the chosen precisions, ne
     KV pool       num_blocks * block_size positions * kv_bytes_per_token (paged_kv_cache.py's formula)
     activations   the largest batch step's intermediates: max_batched_tokens rows through one layer,
                   a full-context prefill chunk's scores, max_num_seqs decode rows' gathered keys, logits
-    tokenizer     measured: a subprocess's RSS before and after reading this tokenizer (cached)
+    tokenizer     measured: what a subprocess holds once it read and used it, freed memory trimmed (cached)
     runtime       measured: the RSS of a process that imported NumPy and minillm (cached)
 
 The weights' bytes per format::
@@ -16,6 +16,7 @@ The weights' bytes per format::
     float32     rows * cols * 4
     bfloat16    rows * cols * 2
     int8        rows * cols * 1 + rows * 4      (one float32 scale per output row)
+    gguf        each tensor's blocks as the file packs them, sized from its header (gguf_plan.py)
 
 With a budget and no KV size given, the pool gets what the budget leaves once everything else is
 counted; a model whose weights plus one full-context request cannot fit is refused with the numbers.
@@ -70,8 +71,8 @@ def _matrix_bytes(rows: int, cols: int, weight_dtype: str) -> int:
     if weight_dtype == "int8":
         return rows * cols + rows * 4
     raise InvalidRequestError(
-        f"the memory plan knows weight_dtype float32, bfloat16 and int8, not {weight_dtype!r} "
-        "(a GGUF's blocks are sized by its header, which a plan from the config alone does not read)."
+        f"the config sizes weights at float32, bfloat16 and int8, not {weight_dtype!r}; at 'gguf' the "
+        "file's header does: pass make_plan(..., weights=gguf_plan.gguf_weight_bytes(path, config))."
     )
 
 
@@ -147,8 +148,12 @@ def activation_bytes(config: ModelConfig, *, max_batched_tokens: int, max_num_se
 
 # --- measured once: the runtime's own bytes and a tokenizer's -------------------------------------
 _MEASURE = r"""
-import json, sys
+import ctypes, json, sys
 def rss():
+    try:  # hand the heap's freed pages back first: a server trims after every load and burst (models.py)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
@@ -160,10 +165,14 @@ from minillm.text.tokenizer import Tokenizer
 keep = []
 for path in json.loads(sys.argv[2]):
     before = rss()
-    keep.append(Tokenizer.from_folder(path))
+    keep.append(tok := Tokenizer.from_folder(path))
+    tok.decode(list(tok.encode("Hello, world!")))  # a first request's use: encode, decode, and the
+    max(len(piece.encode("utf-8")) for piece in tok.backend.get_vocab(with_added_tokens=True))  # limits' scan
     out[path] = rss() - before
 print(json.dumps({"runtime": base, "tokenizers": out}))
 """
+#: Bumped when the measurement above changes, so a cache of the old way's numbers is not used.
+_MEASURE_VERSION = 4
 
 
 def _cache_file() -> Path:
@@ -191,16 +200,20 @@ def measured_overhead(tokenizer_folders: list[Path], modules: tuple[str, ...] = 
 
     ``runtime``: the resident bytes of a fresh Python process once it imported NumPy, minillm and
     ``modules`` (a server adds its HTTP stack). ``tokenizers``: how much each folder's tokenizer
-    added to it. Cached in ``memory_overhead.json`` in minillm's cache folder, keyed by Python,
-    NumPy and minillm versions and the modules (a tokenizer by its files' sizes and times), so the
-    subprocess runs only for what the cache lacks.
+    keeps resident once read and used as a server's first request uses it (an encode, a decode,
+    a scan of its vocabulary). Each reading follows ``malloc_trim`` (:func:`trim_heap`), as a
+    server trims after every load and every burst of steps: parsing a tokenizer's JSON makes many
+    short-lived objects (for a large vocabulary, more than the tokenizer keeps), and counting them
+    would plan memory no loaded model holds. Cached in ``memory_overhead.json`` in minillm's cache
+    folder, keyed by Python, NumPy and minillm versions and the modules (a tokenizer by its files'
+    sizes and times), so the subprocess runs only for what the cache lacks.
 
     Raises:
         MemoryBudgetError: the measuring subprocess failed (its error output is in the message).
     """
     import numpy
 
-    key = json.dumps([sys.version, numpy.__version__, _minillm_version(), sorted(modules)])
+    key = json.dumps([_MEASURE_VERSION, sys.version, numpy.__version__, _minillm_version(), sorted(modules)])
     path = _cache_file()
     try:
         cache = json.loads(path.read_text())
@@ -223,6 +236,33 @@ def measured_overhead(tokenizer_folders: list[Path], modules: tuple[str, ...] = 
         tmp.write_text(json.dumps(cache, indent=1))
         tmp.replace(path)
     return {"runtime": entry["runtime"], "tokenizers": {f: entry["tokenizers"][k] for k, f in want.items()}}
+
+
+def trim_heap() -> None:
+    """Hand the heap's freed pages back to the kernel (glibc's ``malloc_trim``, every thread's arena).
+
+    Short-lived objects (a tokenizer's parsed JSON, the float32 rows an int8 load quantizes, a
+    calibration's test arrays) otherwise stay in the process's resident set after they are freed,
+    and a measured RSS would count memory nothing holds. Not glibc: nothing to do (the memory is
+    reused by the next allocation instead)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def rss_bytes() -> int:
+    """This process's resident set in bytes (``VmRSS`` in /proc/self/status; 0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 # --- the plan -------------------------------------------------------------------------------------
@@ -313,6 +353,7 @@ def make_plan(
     budget: int | None = None,
     tokenizer: int = 0,
     runtime: int = 0,
+    weights: dict[str, int] | None = None,
 ) -> MemoryPlan:
     """The plan for ``config`` at these precisions and serving limits (bytes throughout).
 
@@ -321,14 +362,17 @@ def make_plan(
         kv_cache_mib: the pool's size; None: what ``budget`` leaves (no budget: 512 MiB, the server's default).
         budget: bytes the model may use in all, ``runtime`` included; None: no limit.
         tokenizer, runtime: measured bytes (:func:`measured_overhead`).
+        weights: ``{format: bytes}`` when the config cannot size them (``"gguf"``: the file's
+            header does, ``gguf_plan.gguf_weight_bytes``); None: :func:`weight_bytes`.
 
     Raises:
         MemoryBudgetError: with a budget, the weights + activations + tokenizer + runtime + one
             full-context request's KV do not fit; or an explicit pool that passes the budget.
-        InvalidRequestError: an unknown ``weight_dtype`` or ``kv_dtype``.
+        InvalidRequestError: an unknown ``kv_dtype``, or a ``weight_dtype`` the config cannot size
+            without ``weights``.
     """
     context = min(context or config.max_position_embeddings, config.max_position_embeddings)
-    weights = weight_bytes(config, weight_dtype)
+    weights = dict(weights) if weights is not None else weight_bytes(config, weight_dtype)
     per_token = kv_bytes_per_token(config, kv_dtype)
     per_block = per_token * block_size
     act = activation_bytes(config, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, context=context)

@@ -33,8 +33,17 @@ from dataclasses import dataclass
 
 import minillm
 from minillm.observe.events import TraceEvent
+from minillm.runtime.gguf_plan import gguf_weight_bytes
 from minillm.runtime.loading import WEIGHT_DTYPES, run_warmup
-from minillm.runtime.memory_plan import MIB, MemoryPlan, format_bytes, make_plan, measured_overhead
+from minillm.runtime.memory_plan import (
+    MIB,
+    MemoryPlan,
+    format_bytes,
+    make_plan,
+    measured_overhead,
+    rss_bytes,
+    trim_heap,
+)
 from minillm.runtime.scheduler import Scheduler
 
 from .events import EventBus
@@ -130,6 +139,9 @@ class ModelSlot(Worker):
 
     def unload(self) -> None:
         """Drop the model, its pool and scheduler (only ever called when idle)."""
+        held = self.guard.token_bytes  # the prompt check's (tokenizer, longest token) would keep it alive
+        if held is not None and self.model is not None and held[0] is self.model.tokenizer:
+            self.guard.token_bytes = None  # (an evicted model's tokenizer, which no plan counts any more)
         self.model = self.pool = self.scheduler = None
         self.state, self.status = "unloaded", "unloaded"
         gc.collect()
@@ -195,21 +207,26 @@ class ModelRegistry:
 
     # --- the plan, before anything loads -------------------------------------------------------
     def plan_all(self) -> list[MemoryPlan]:
-        """Each model's plan from its config (resolving a model fetches it if it is not cached yet)."""
+        """Each model's plan from its config and tokenizer, read without its weights (``plan_files.py``)."""
         from minillm.model.config import ModelConfig
         from minillm.sources.hub import resolve_model
+        from minillm.sources.plan_files import plan_folder
 
-        folders = {s.served: resolve_model(s.source, progress=True).path for s in self.specs}
+        # config.json and the tokenizer only (sources/plan_files.py); a model whose config is only in
+        # its weights' file (an offline GGUF not fetched yet) is fetched first, as its load would
+        folders = {s.served: plan_folder(s.source) or resolve_model(s.source, progress=True).path for s in self.specs}
         measured = measured_overhead(list(folders.values()), SERVE_MODULES)
         self.runtime_bytes = measured["runtime"]
         o = self.options
         for spec in self.specs:
             config = ModelConfig.from_folder(folders[spec.served])
+            packed = gguf_weight_bytes(_gguf_file(spec.source), config) if spec.weight_dtype == "gguf" else None
             plan = make_plan(
                 config, model=spec.served, weight_dtype=spec.weight_dtype, context=o.get("max_seq_len"),
                 max_num_seqs=o.get("max_num_seqs", 16), max_batched_tokens=o.get("max_batched_tokens", 512),
                 block_size=o.get("block_size", 16), kv_cache_mib=self.kv_cache_mib, budget=self.budget,
                 tokenizer=measured["tokenizers"][str(folders[spec.served])], runtime=self.runtime_bytes,
+                weights=packed,
             )  # fmt: skip
             self.slots[spec.served] = ModelSlot(
                 spec, plan, self, metrics=self.metrics, console=self.console, guard=self.guard, events=self.events, **o
@@ -298,6 +315,7 @@ class ModelRegistry:
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
             return
         self.status = "ready"
+        busy = False
         while True:
             self._wake.clear()
             worked = False
@@ -307,6 +325,9 @@ class ModelRegistry:
                 if slot.state == "loaded":
                     worked |= slot.step()
             self._expire()
+            if busy and not worked:  # just gone idle: the steps' freed intermediates leave the resident set,
+                _trim_heap()  # so it is what the models hold (their plans), not what the last burst used
+            busy = worked
             if not worked:
                 self._wake.wait(timeout=0.05)
 
@@ -394,21 +415,13 @@ class ModelRegistry:
                 gauge.set_function(lambda n=spec.served, k=kind: self.slots[n].resident[k] if n in self.slots else 0)
 
 
-def _trim_heap() -> None:
-    """Hand freed heap memory back to the kernel (glibc's malloc_trim): a freed tokenizer's many small
-    objects otherwise stay in the process's resident set after an unload."""
-    import ctypes
+def _gguf_file(source: str):
+    """The model's GGUF file for a ``:gguf`` plan: its header sizes the packed weights (the cached
+    file, else fetched as the load would fetch it: ``sources.hub.resolve_gguf``)."""
+    from minillm.sources.hub import resolve_gguf
 
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the memory is reused by the next load instead
-        pass
+    return resolve_gguf(source, progress=True)
 
 
-def _rss() -> int:
-    """This process's resident set in bytes (/proc/self/status)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+_trim_heap = trim_heap  # a load's temporaries and a freed tokenizer's small objects leave the resident set
+_rss = rss_bytes  # this process's resident set in bytes (multi_server.py's plan route reads it too)

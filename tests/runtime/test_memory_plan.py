@@ -62,3 +62,26 @@ def test_a_model_that_cannot_hold_one_request_is_refused_with_the_numbers(smollm
         mp.make_plan(config, model="smollm2", budget=256 * MIB, runtime=80 * MIB)
     msg = str(info.value)
     assert "weights 513.1 MiB" in msg and "budget is 256.0 MiB" in msg and "8,192 positions" in msg
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_gguf_planned_from_the_header_is_the_bytes_a_gguf_load_holds(name):
+    from minillm.model.gguf_weights import load_gguf_weights
+    from minillm.runtime.gguf_plan import gguf_weight_bytes
+    from minillm.sources.hub import resolve_gguf, resolve_model
+
+    config = ModelConfig.from_folder(resolve_model(name, progress=False).path)
+    path = resolve_gguf(name, progress=False)
+    planned = gguf_weight_bytes(path, config)
+    held = {fmt: nbytes for fmt, (_, nbytes) in load_gguf_weights(path, config).formats().items()}
+    assert planned == held
+    if name == "smollm2-135m-instruct":  # Q4_1 layers, a Q8_0 embedding (tied), float32 norms
+        assert planned == {"Q4_1": 66_355_200, "Q8_0": 30_081_024, "float32": 140_544}
+    plan = mp.make_plan(config, model=name, weight_dtype="gguf", weights=planned, context=512, kv_cache_mib=32)
+    assert plan.weights_total == sum(held.values()) and plan.weights == planned
+
+
+def test_gguf_without_the_header_names_where_to_get_its_sizes(tmp_path):
+    folder, _ = build(CASES[next(iter(CASES))], tmp_path)
+    with pytest.raises(InvalidRequestError, match="gguf_weight_bytes"):
+        mp.weight_bytes(ModelConfig.from_folder(folder), "gguf")
