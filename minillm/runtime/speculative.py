@@ -19,6 +19,13 @@ has ``q`` one-hot on its token. ``p`` and ``q`` go through the request's own pro
 (repetition penalty, temperature, top-k, top-p, min-p), each row with the drafted tokens before it
 counted as seen. If each drafted token is accepted with probability ``α``, a pass yields
 ``(1 - α^(k+1)) / (1 - α)`` tokens on average.
+
+A drafted row is not free: it goes through every layer's products, which on a CPU cost a
+fraction of a one-row pass each, and a rejected row is that work lost. So ``k`` adapts
+(:func:`next_k`): it starts at 1, grows by one while every draft is kept, falls to one past the
+kept run at a rejection (by one when nothing was kept), never above ``num_tokens``; and a draft
+with nothing to propose (prompt lookup without a match) gives up for that step, a plain decode
+step. ``adaptive=False`` drafts ``num_tokens`` every pass (the formula's fixed ``k``).
 """
 
 from __future__ import annotations
@@ -43,8 +50,9 @@ DRAFTS = ("ngram", "self-int8", "self-gguf", "layers:K")
 class Speculative:
     """How a request drafts: ``draft`` (``"ngram"`` | ``"self-int8"`` | ``"self-gguf"`` |
     ``"layers:K"`` | a :class:`~minillm.runtime.drafts.Draft`), ``num_tokens`` drafted per pass
-    (1..``MAX_SPECULATIVE_TOKENS``), and for ``ngram`` the n-gram lengths tried, longest first
-    (``prompt_lookup_max`` down to ``prompt_lookup_min``).
+    (1..``MAX_SPECULATIVE_TOKENS``; the most with ``adaptive``, see :func:`next_k`), and for
+    ``ngram`` the n-gram lengths tried, longest first (``prompt_lookup_max`` down to
+    ``prompt_lookup_min``: a match of one token is too weak a guess to pay for its row).
 
     Raises:
         InvalidRequestError: a value out of range or an unknown draft, naming it and the choices.
@@ -53,7 +61,8 @@ class Speculative:
     draft: str | Draft = "ngram"
     num_tokens: int = 4
     prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2
+    adaptive: bool = True
 
     def __post_init__(self):
         k = self.num_tokens
@@ -85,6 +94,17 @@ class Speculative:
         if value is None or isinstance(value, Speculative):
             return value
         return cls(draft=value)
+
+
+def next_k(k: int, drafted: int, accepted: int, most: int) -> int:
+    """The drafts to propose next pass, after ``accepted`` of ``drafted`` were kept with ``k`` asked:
+    every one kept (and any at all drafted): ``k + 1``, at most ``most``; some kept: ``accepted + 1``
+    (the run that worked, one more); none kept: ``k - 1``, at least 1. Nothing drafted: ``k``."""
+    if drafted == 0:
+        return k
+    if accepted == drafted:
+        return min(most, k + 1)
+    return max(1, accepted + 1 if accepted else k - 1)
 
 
 # --- the acceptance rule: pure functions on distributions ------------------------------------------
@@ -165,12 +185,13 @@ class SpeculativeDecoder:
     def __init__(self, spec: Speculative, model, request):
         self.spec, self.request = spec, request
         self.draft = make_draft(spec, model, request.window)
+        self.k = 1 if spec.adaptive else spec.num_tokens  # drafts asked for next pass (next_k)
 
     def budget(self, limit: int | None = None) -> int:
         """Drafts worth proposing now: at most ``num_tokens``, one fewer than the tokens still allowed,
         and what the cache has room for (with ``last``); ``limit``: a batch step's token budget."""
         r = self.request
-        k = min(self.spec.num_tokens, r.max_new_tokens - len(r.new_ids) - 1, r.cache.free_positions - 1)
+        k = min(self.k, r.max_new_tokens - len(r.new_ids) - 1, r.cache.free_positions - 1)
         return max(0, k if limit is None else min(k, limit - 1))
 
     def propose(self, limit: int | None = None) -> tuple[list[int], np.ndarray | None]:
@@ -197,8 +218,9 @@ class SpeculativeDecoder:
         q = distribution(logits, r.params, seen, generated)
         return draw(q, r.rng), q
 
-    def accept(self, logits: np.ndarray, ids: list[int], q) -> tuple[int, int]:
-        """Apply the rule to the verification logits ``[k + 1, vocab]``."""
+    def accept(self, logits, ids: list[int], q) -> tuple[int, int]:
+        """Apply the rule to the verification logits ``[k + 1, vocab]`` (an array, or a
+        ``steps.RowLogits`` whose rows are scored as the rule reaches them)."""
         r = self.request
         seen, new = list(r.seen), list(r.new_ids)
         if r.params.greedy:
@@ -217,16 +239,31 @@ class SpeculativeDecoder:
         m.drafted_tokens += len(ids)
         m.accepted_tokens += n
         m.verify_steps += 1
+        if self.spec.adaptive:
+            self.k = next_k(self.k, len(ids), n, self.spec.num_tokens)
         run = [*ids[:n], token]
         step_s = (time.perf_counter() - step_t0) / len(run)
         for j, t in enumerate(run):
-            yield from r.push(t, None, step_t0, cache_length=start + 1 + j, step_s=step_s)
+            yield from r.push(t, self.probs(logits[j]), step_t0, cache_length=start + 1 + j, step_s=step_s)
             if r.stop_reason is not None:  # never past a stop: the cache holds what came before it
                 run = run[: j + 1]
                 r.cache.truncate(start + len(run))
                 break
         if r.listener is not None:
             r.emit_verify(drafted=ids, accepted=n, token=token, bonus=n == len(ids), kept=run, step_t0=step_t0)
+
+    def probs(self, logits: np.ndarray) -> np.ndarray | None:
+        """The distribution plain decoding would show for the next token (after the request's tokens so
+        far, the kept drafts pushed), float32 ``[vocab]`` as ``sampling.sample_with_probs`` gives it,
+        for its logprobs and the trace (None when neither asks): the model's own ``p`` at that row,
+        whether the token is a kept draft, a resample or the bonus (each has ``p``'s distribution)."""
+        r = self.request
+        if r.listener is None and r.logprobs is None:
+            return None
+        seen, new = r.seen, r.new_ids
+        if r.params.greedy:  # greedy shows the penalised logits' softmax, unfiltered (as sample_with_probs)
+            return sampling.probabilities(sampling.penalize(logits, r.params, seen, new))
+        return sampling.probabilities(sampling.process_logits(logits, r.params, seen, new))
 
     def release(self) -> None:
         self.draft.release()
