@@ -493,3 +493,80 @@ def test_sampled_logprobs_are_the_models_p(word_model):
         probs = sampling.probabilities(sampling.process_logits(logits, params, seq, r.ids[:i]))
         want.append(sampling.token_logprobs(probs, t, 2))
     assert_same_logprobs(r.logprobs, want)
+
+
+# --- with a constraint: each draft checked against the grammar's mask, the matcher rolled back -------------
+#: words of the scripted vocabulary: a run of X/Y/Z/DE/w, then 'KL' (forced after the ninth: the only way on)
+WORD_GRAMMAR = r"(X|Y|Z|DE|w){3,9}KL(X|Y|Z|AB|C)*"
+
+
+@pytest.fixture(scope="module")
+def grammar_model(word_model, tmp_path_factory) -> Model:
+    """The word model with its tokenizer's decoder told as ByteLevel (llguidance reads no Fuse decoder;
+    the pieces are ASCII, so both decode 'AB', 'C' to 'ABC')."""
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("spec-grammar-model")
+    for f in word_model.path.iterdir():
+        shutil.copy(f, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    m = word_model
+    return Model("word", folder, m.config, Tokenizer.from_folder(folder), m.transformer, None)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "layers:2", "layers:3"])
+def test_greedy_with_a_grammar_equals_constrained_plain(grammar_model, draft):
+    from minillm import Constraint
+
+    params = minillm.SamplingParams(temperature=0.0, top_logprobs=2)
+    constraint = Constraint.regex(WORD_GRAMMAR)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        plain = minillm.generate(grammar_model, prompt, params, max_new_tokens=16, constraint=constraint)
+        assert "KL" in plain.text
+        for k in (1, 4):
+            spec = minillm.generate(grammar_model, prompt, params, max_new_tokens=16, constraint=constraint,
+                                    speculative=Speculative(draft, num_tokens=k))  # fmt: skip
+            assert (spec.ids, spec.text, spec.stop_reason) == (plain.ids, plain.text, plain.stop_reason), (prompt, k)
+            assert_same_logprobs(spec.logprobs, plain.logprobs)
+            drafted += spec.metrics.drafted_tokens
+            accepted += spec.metrics.accepted_tokens
+    assert drafted > 0 and (accepted > 0 or draft == "ngram")  # the random model copies little
+
+
+def test_along_grammar_cuts_at_a_refused_draft_and_rolls_the_matcher_back(grammar_model):
+    from minillm import Constraint
+    from minillm.runtime.constraint import ConstraintState
+    from minillm.runtime.speculative import along_grammar
+
+    state = ConstraintState(grammar_model, Constraint.regex(WORD_GRAMMAR))
+    ids = {w: int(grammar_model.tokenizer.encode(w, add_special_tokens=False)[0]) for w in ("X", "Y", "AB", "KL")}
+    before = state.allowed()
+    kept, masks = along_grammar(state, [ids["X"], ids["Y"], ids["AB"], ids["X"]])
+    assert kept == [ids["X"], ids["Y"]] and len(masks) == 3  # AB is not allowed before the forced run
+    assert masks[2][ids["X"]] and not masks[2][ids["AB"]]
+    np.testing.assert_array_equal(state.allowed(), before)  # the matcher is where it started
+    for _ in range(7):
+        state.advance(ids["X"])
+    kept, masks = along_grammar(state, [ids["X"], ids["X"], ids["KL"]])
+    assert kept == [ids["X"]] and len(masks) == 2  # after a ninth X the grammar forces KL: the request adds it
+    state.advance(ids["X"])
+    kept, masks = along_grammar(state, [ids["X"], ids["KL"]])
+    assert kept == [] and len(masks) == 1
+    assert state.advance(ids["X"]) == [ids["KL"]]  # ... as here
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["ngram", "layers:20"])
+def test_smollm2_greedy_with_a_schema_equals_constrained_plain(smollm2, draft):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+              "city": {"enum": ["Paris", "Berlin", "Rome"]}, "age": {"type": "integer"}},
+              "required": ["name", "city", "age"], "additionalProperties": False}  # fmt: skip
+    prompt = [{"role": "user", "content": 'Describe Ana, 31, from Rome, as JSON: {"name": "Ana", "city": "Rome", "age": 31}'}]
+    plain = minillm.generate(smollm2, prompt, max_new_tokens=40, constraint=schema)
+    spec = minillm.generate(smollm2, prompt, max_new_tokens=40, constraint=schema, speculative=draft)
+    assert spec.ids == plain.ids and spec.text == plain.text
+    assert spec.metrics.accepted_tokens > 0
