@@ -570,3 +570,15 @@ def test_smollm2_greedy_with_a_schema_equals_constrained_plain(smollm2, draft):
     spec = minillm.generate(smollm2, prompt, max_new_tokens=40, constraint=schema, speculative=draft)
     assert spec.ids == plain.ids and spec.text == plain.text
     assert spec.metrics.accepted_tokens > 0
+
+
+def test_batch_with_a_grammar_equals_constrained_plain(grammar_model):
+    from minillm import Constraint
+
+    constraint = Constraint.regex(WORD_GRAMMAR)
+    plain = [minillm.generate(grammar_model, p, max_new_tokens=16, constraint=constraint).ids for p in PROMPTS]
+    batch = minillm.generate_batch(grammar_model, PROMPTS, max_new_tokens=16, block_size=4,
+                                   per_prompt=[{"constraint": constraint}] * len(PROMPTS),
+                                   speculative=Speculative("layers:3", num_tokens=4))  # fmt: skip
+    assert [r.ids for r in batch] == plain
+    assert sum(r.metrics.accepted_tokens for r in batch) > 0
