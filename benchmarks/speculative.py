@@ -3,6 +3,7 @@
     python -m benchmarks.speculative                       # SmolLM2, 3 workloads x 4 drafts
     python -m benchmarks.speculative --quick               # smoke run: 16 tokens, the incident only
     python -m benchmarks.speculative --drafts ngram --k 2,4,8
+    python -m benchmarks.speculative --fixed               # k drafts every pass (no adaptive k)
 
 Workloads (greedy, ``--tokens`` new tokens each): the seed's incident report summary
 (``examples/incident.txt``: prompt lookup copies names and figures from it), a code edit (the answer
@@ -12,8 +13,11 @@ the plain ids (checked). Printed per run:
 
     tokens/pass    new tokens / forward passes of the model (prefill included)
     alpha          drafted tokens kept / drafted tokens
-    formula        (1 - alpha^(k+1)) / (1 - alpha): tokens per verifying pass if acceptances were independent
-    decode tok/s   (new tokens - 1) / (seconds after the first token): the prefill is the same for all
+    k mean         drafted tokens per verifying pass (adaptive k moves between 1 and k)
+    per verify     tokens per verifying pass, measured: (kept drafts + one) / verifying passes
+    formula        (1 - alpha^(k+1)) / (1 - alpha) at k = k mean: the same if acceptances were independent
+    decode tok/s   (new tokens - 1) / (seconds after the first token): the prefill is the same for all;
+                   the median of --repeat runs, each configuration's runs interleaved with the others'
     speedup        decode tok/s against plain, same workload, same run
 
 Results go to ``benchmarks/results/local/speculative.json`` (untracked) unless ``--json`` says otherwise.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -57,20 +62,33 @@ def run_one(model, prompt, tokens: int, speculative) -> dict:
     m = r.metrics
     decode_s = max(total - m.ttft_s, 1e-9)
     alpha = m.accepted_tokens / m.drafted_tokens if m.drafted_tokens else float("nan")
-    k = m.speculative_k
+    k = m.drafted_tokens / m.verify_steps if m.verify_steps else float("nan")
     formula = float("nan") if not m.drafted_tokens else (k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha))
     return {
         "ids": r.ids,
         "new_tokens": len(r.ids),
         "target_passes": m.target_passes,
+        "passes_per_token": m.target_passes / len(r.ids),
         "drafted": m.drafted_tokens,
         "accepted": m.accepted_tokens,
         "tokens_per_pass": len(r.ids) / m.target_passes,
         "alpha": alpha,
+        "k_mean": k,
+        "per_verify": (m.accepted_tokens + m.verify_steps) / m.verify_steps if m.verify_steps else float("nan"),
         "formula": formula,
         "decode_tokens_per_s": (len(r.ids) - 1) / decode_s,
         "total_s": total,
     }
+
+
+def run_interleaved(model, prompt, tokens: int, configs: list, repeat: int) -> list[dict]:
+    """Each configuration ``repeat`` times, round-robin (a neighbour's burst hits them all alike);
+    the counts of the first run, the median decode speed."""
+    runs = [[] for _ in configs]
+    for _ in range(repeat):
+        for out, spec in zip(runs, configs, strict=True):
+            out.append(run_one(model, prompt, tokens, spec))
+    return [{**r[0], "decode_tokens_per_s": statistics.median(x["decode_tokens_per_s"] for x in r)} for r in runs]
 
 
 def main(argv=None) -> dict:
@@ -80,7 +98,10 @@ def main(argv=None) -> dict:
     p.add_argument("--drafts", default="ngram,layers:20,self-int8,self-gguf", help="comma-separated drafts")
     p.add_argument("--k", default="4", help="comma-separated tokens drafted per pass (default 4)")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1: steadier on a shared machine)")
-    p.add_argument("--quick", action="store_true", help="16 tokens, the incident summary only")
+    p.add_argument("--fixed", action="store_true", help="draft k tokens every pass (adaptive=False)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per configuration, interleaved (default 3)")
+    p.add_argument("--workloads", default="", help="comma-separated subset, e.g. 'incident summary'")
+    p.add_argument("--quick", action="store_true", help="16 tokens, the incident summary only, one run each")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = p.parse_args(argv)
 
@@ -91,24 +112,26 @@ def main(argv=None) -> dict:
     tokens = 16 if args.quick else args.tokens
     chosen = workloads()
     if args.quick:
-        chosen = {"incident summary": chosen["incident summary"]}
+        chosen, args.repeat = {"incident summary": chosen["incident summary"]}, 1
+    if args.workloads:
+        chosen = {name: chosen[name] for name in args.workloads.split(",")}
     ks = [int(k) for k in args.k.split(",")]
     drafts = [d for d in args.drafts.split(",") if d]
-    report = {"model": args.model, "tokens": tokens, "threads": args.threads, "runs": []}
-    print(f"{'workload':<18} {'draft':<12} {'k':>2} {'tok/pass':>8} {'alpha':>6} {'formula':>7} "
-          f"{'decode tok/s':>12} {'speedup':>7}  same ids")  # fmt: skip
+    report = {"model": args.model, "tokens": tokens, "threads": args.threads, "adaptive": not args.fixed, "runs": []}
+    print(f"{'workload':<18} {'draft':<12} {'k':>2} {'pass/tok':>8} {'alpha':>6} {'k mean':>6} {'per verify':>10} "
+          f"{'formula':>7} {'decode tok/s':>12} {'speedup':>7}  same ids")  # fmt: skip
     cpu = cpu_snapshot()
     for name, prompt in chosen.items():
-        plain = run_one(model, prompt, tokens, None)
-        rows = [("plain", 0, plain)]
-        for draft in drafts:
-            for k in ks:
-                rows.append((draft, k, run_one(model, prompt, tokens, minillm.Speculative(draft, num_tokens=k))))
-        for draft, k, r in rows:
+        labels = [("plain", 0)] + [(draft, k) for draft in drafts for k in ks]
+        configs = [None] + [minillm.Speculative(d, num_tokens=k, adaptive=not args.fixed) for d, k in labels[1:]]
+        results = run_interleaved(model, prompt, tokens, configs, args.repeat)
+        plain = results[0]
+        for (draft, k), r in zip(labels, results, strict=True):
             same = r["ids"] == plain["ids"]
             speedup = r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
-            print(f"{name:<18} {draft:<12} {k:>2} {r['tokens_per_pass']:>8.2f} {r['alpha']:>6.2f} {r['formula']:>7.2f} "
-                  f"{r['decode_tokens_per_s']:>12.1f} {speedup:>6.2f}x  {same}")  # fmt: skip
+            print(f"{name:<18} {draft:<12} {k:>2} {r['passes_per_token']:>8.2f} {r['alpha']:>6.2f} {r['k_mean']:>6.2f} "
+                  f"{r['per_verify']:>10.2f} {r['formula']:>7.2f} {r['decode_tokens_per_s']:>12.1f} {speedup:>6.2f}x  "
+                  f"{same}")  # fmt: skip
             report["runs"].append({"workload": name, "draft": draft, "k": k, "same_ids": same, "speedup": speedup,
                                    **{key: v for key, v in r.items() if key != "ids"}})  # fmt: skip
     report["others_cpu_share"] = others_cpu_share(cpu, cpu_snapshot())

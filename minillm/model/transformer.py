@@ -112,6 +112,7 @@ class Transformer:
         *,
         all_logits: bool = False,
         last_rows: Sequence[int] | None = None,
+        logits: bool = True,
     ) -> np.ndarray:
         """Run several sequences in one pass: each ``(token_ids, cache)`` feeds ``token_ids`` at
         positions ``cache.length..`` of its own cache (a decode row is one id, a prefill chunk many).
@@ -132,6 +133,9 @@ class Transformer:
                 each sequence (what sampling needs; saves the LM head's work on prefill rows).
             last_rows: how many of each sequence's last rows get logits (default 1 each); speculative
                 decoding verifies ``k`` drafted tokens with the logits of a chunk's last ``k + 1`` rows.
+            logits: False: return those rows' residual stream ``[rows, d_model]`` before the final
+                norm, for :meth:`head` to score later, row by row (speculative verification scores a
+                row only when every draft before it was kept).
 
         Returns:
             float32 logits ``[n_sequences, vocab]`` (the last row of each chunk), or
@@ -146,9 +150,11 @@ class Transformer:
             raise InvalidRequestError("forward_batch got no sequences; pass at least one (token_ids, cache) pair.")
         if last_rows is None and not all_logits:
             last_rows = [1] * len(chunks)  # each sequence's last row: what sampling needs
-        return self.run(chunks, batched=True, last_rows=last_rows)
+        return self.run(chunks, batched=True, last_rows=last_rows, logits=logits)
 
-    def run(self, chunks, *, batched: bool, last_rows: Sequence[int] | None, capture=None) -> np.ndarray:
+    def run(
+        self, chunks, *, batched: bool, last_rows: Sequence[int] | None, capture=None, logits: bool = True
+    ) -> np.ndarray:
         """The one forward pass over ``chunks`` (``(token_ids [seq_j], cache or None)`` each): every
         chunk's rows stacked into one ``[rows, d_model]`` residual stream, every layer, the head.
 
@@ -156,6 +162,7 @@ class Transformer:
         attention is ``kernels.batch_attention``); False: one sequence, attended by its own
         :class:`SequenceAttention`. ``last_rows``: logits of each chunk's last ``last_rows[j]`` rows,
         ``[sum(last_rows), vocab]``; None: every row, ``[rows, vocab]``. ``capture``: as :meth:`forward`.
+        ``logits`` False: those rows' residual stream ``[rows, d_model]``, the head not applied.
         """
         ids, positions, sequences = self._chunks(chunks)
         caches = [cache for _, cache in chunks]
@@ -173,7 +180,7 @@ class Transformer:
                 cache.advance(len(token_ids))
         if last_rows is not None:  # [sum(last_rows), d_model]: each chunk's last rows, in order
             x = x[np.concatenate([np.arange(end - m, end) for end, m in zip(bounds[1:], last_rows, strict=True)])]
-        return self.head(x, batched=batched)
+        return self.head(x, batched=batched) if logits else x
 
     def _chunks(self, chunks) -> tuple[list[np.ndarray], list[np.ndarray], list[SequenceAttention]]:
         """Each chunk's ids ``[seq_j]`` int64, positions ``cache.length..+seq_j`` and attention; every

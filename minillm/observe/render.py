@@ -423,13 +423,19 @@ def _held(w: dict) -> str:
 
 def _speculative_rows(m: dict) -> list[tuple[str, str]]:
     """The summary's speculative rows: acceptance rate α, tokens per pass, and what the formula
-    ``(1 - α^(k+1)) / (1 - α)`` predicts for passes that verified drafts."""
+    ``(1 - α^(k+1)) / (1 - α)`` predicts for passes that verified drafts, at ``k`` the drafts per
+    verifying pass on average (adaptive k moves below its most)."""
     if not m.get("drafted_tokens"):
         return []
-    alpha, k, steps = m["acceptance_rate"], m.get("speculative_k", 0), m["verify_steps"]
+    alpha, most, steps = m["acceptance_rate"], m.get("speculative_k", 0), m["verify_steps"]
+    k = m["drafted_tokens"] / steps
     formula = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
     per_verify = (m["accepted_tokens"] + steps) / steps
     return [
-        ("speculative", f"{m['accepted_tokens']}/{m['drafted_tokens']} drafts kept (α {alpha:.2f}), k = {k}"),
+        (
+            "speculative",
+            f"{m['accepted_tokens']}/{m['drafted_tokens']} drafts kept (α {alpha:.2f}), "
+            f"k {k:.1f} per verify (at most {most})",
+        ),
         ("tokens per pass", f"{m['tokens_per_pass']:.2f} overall, {per_verify:.2f} per verify (formula {formula:.2f})"),
     ]

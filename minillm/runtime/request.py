@@ -108,10 +108,6 @@ class Request:
         prepared: tuple[str, np.ndarray, float] | None = None,
     ):
         spec = Speculative.of(speculative)  # checked before any model work
-        if spec is not None and constraint is not None:  # a draft knows no grammar: its ids would need the mask
-            raise InvalidRequestError(
-                "speculative decoding and a constraint cannot be combined yet; drop speculative= (or the constraint)."
-            )
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise InvalidRequestError(
                 f"max_new_tokens must be >= 1, got {max_new_tokens!r} (a whole number of tokens)."

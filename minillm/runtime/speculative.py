@@ -19,6 +19,13 @@ has ``q`` one-hot on its token. ``p`` and ``q`` go through the request's own pro
 (repetition penalty, temperature, top-k, top-p, min-p), each row with the drafted tokens before it
 counted as seen. If each drafted token is accepted with probability ``α``, a pass yields
 ``(1 - α^(k+1)) / (1 - α)`` tokens on average.
+
+A drafted row is not free: it goes through every layer's products, which on a CPU cost a
+fraction of a one-row pass each, and a rejected row is that work lost. So ``k`` adapts
+(:func:`next_k`): it starts at 1, grows by one while every draft is kept, falls to one past the
+kept run at a rejection (by one when nothing was kept), never above ``num_tokens``; and a draft
+with nothing to propose (prompt lookup without a match) gives up for that step, a plain decode
+step. ``adaptive=False`` drafts ``num_tokens`` every pass (the formula's fixed ``k``).
 """
 
 from __future__ import annotations
@@ -43,8 +50,9 @@ DRAFTS = ("ngram", "self-int8", "self-gguf", "layers:K")
 class Speculative:
     """How a request drafts: ``draft`` (``"ngram"`` | ``"self-int8"`` | ``"self-gguf"`` |
     ``"layers:K"`` | a :class:`~minillm.runtime.drafts.Draft`), ``num_tokens`` drafted per pass
-    (1..``MAX_SPECULATIVE_TOKENS``), and for ``ngram`` the n-gram lengths tried, longest first
-    (``prompt_lookup_max`` down to ``prompt_lookup_min``).
+    (1..``MAX_SPECULATIVE_TOKENS``; the most with ``adaptive``, see :func:`next_k`), and for
+    ``ngram`` the n-gram lengths tried, longest first (``prompt_lookup_max`` down to
+    ``prompt_lookup_min``: a match of one token is too weak a guess to pay for its row).
 
     Raises:
         InvalidRequestError: a value out of range or an unknown draft, naming it and the choices.
@@ -53,7 +61,8 @@ class Speculative:
     draft: str | Draft = "ngram"
     num_tokens: int = 4
     prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2
+    adaptive: bool = True
 
     def __post_init__(self):
         k = self.num_tokens
@@ -85,6 +94,17 @@ class Speculative:
         if value is None or isinstance(value, Speculative):
             return value
         return cls(draft=value)
+
+
+def next_k(k: int, drafted: int, accepted: int, most: int) -> int:
+    """The drafts to propose next pass, after ``accepted`` of ``drafted`` were kept with ``k`` asked:
+    every one kept (and any at all drafted): ``k + 1``, at most ``most``; some kept: ``accepted + 1``
+    (the run that worked, one more); none kept: ``k - 1``, at least 1. Nothing drafted: ``k``."""
+    if drafted == 0:
+        return k
+    if accepted == drafted:
+        return min(most, k + 1)
+    return max(1, accepted + 1 if accepted else k - 1)
 
 
 # --- the acceptance rule: pure functions on distributions ------------------------------------------
@@ -148,10 +168,37 @@ def verify_greedy(best_of: Callable[[int], int], drafted: Sequence[int]) -> tupl
     return len(drafted), best_of(len(drafted))
 
 
-def distribution(logits: np.ndarray, params: SamplingParams, seen, generated=()) -> np.ndarray:
+def distribution(logits: np.ndarray, params: SamplingParams, seen, generated=(), allowed=None) -> np.ndarray:
     """What :func:`sampling.sample` draws from: ``softmax(process_logits(...))`` as float64 ``[vocab]``;
-    ``seen``: every id so far (the repetition penalty's), ``generated``: the new ones (OpenAI's penalties')."""
-    return sampling.probabilities(sampling.process_logits(logits, params, seen, generated)).astype(np.float64)
+    ``seen``: every id so far (the repetition penalty's), ``generated``: the new ones (OpenAI's penalties'),
+    ``allowed``: a constraint's ``bool [vocab]`` mask (None: every id)."""
+    return sampling.probabilities(sampling.process_logits(logits, params, seen, generated, allowed)).astype(np.float64)
+
+
+def along_grammar(state, ids: list[int]) -> tuple[list[int], list[np.ndarray]]:
+    """Walk a constraint's matcher (``constraint.ConstraintState``) along drafted ``ids`` and back.
+
+    Returns ``(kept, masks)``: the drafts up to the first the grammar refuses, or the first after
+    which it would force a run (the request appends a forced run itself, after a pushed token), or
+    an EOS (kept, nothing after it); and ``masks[i]``, the ``bool [vocab]`` mask after the first
+    ``i`` kept drafts, ``len(kept) + 1`` of them: what the model's row ``i`` is sampled under. The
+    matcher is left where it started (``rollback``)."""
+    masks, kept, consumed = [state.allowed()], 0, 0
+    try:
+        for x in ids:
+            if not masks[-1][x]:
+                break
+            if x in state.eos:  # an allowed EOS ends the output: kept, and its row is never pushed
+                return ids[: kept + 1], [*masks, None]
+            state.consume(x)
+            consumed += 1
+            if state.forced():  # the grammar allows one way on after x: the request adds that run itself
+                break
+            kept += 1
+            masks.append(state.allowed())
+    finally:
+        state.matcher.rollback(consumed)
+    return ids[:kept], masks
 
 
 # --- one request's speculation ---------------------------------------------------------------------
@@ -165,20 +212,28 @@ class SpeculativeDecoder:
     def __init__(self, spec: Speculative, model, request):
         self.spec, self.request = spec, request
         self.draft = make_draft(spec, model, request.window)
+        self.k = 1 if spec.adaptive else spec.num_tokens  # drafts asked for next pass (next_k)
+        self.masks: list[np.ndarray | None] = []  # with a constraint: the mask of each verified row
+        self.walk: int | None = None  # with a constraint, while a model drafts: the tokens it walked
 
     def budget(self, limit: int | None = None) -> int:
         """Drafts worth proposing now: at most ``num_tokens``, one fewer than the tokens still allowed,
         and what the cache has room for (with ``last``); ``limit``: a batch step's token budget."""
         r = self.request
-        k = min(self.spec.num_tokens, r.max_new_tokens - len(r.new_ids) - 1, r.cache.free_positions - 1)
+        k = min(self.k, r.max_new_tokens - len(r.new_ids) - 1, r.cache.free_positions - 1)
         return max(0, k if limit is None else min(k, limit - 1))
 
     def propose(self, limit: int | None = None) -> tuple[list[int], np.ndarray | None]:
         """The draft's ids (possibly none: then a plain decode step) and their ``q`` ``[k, vocab]`` or None."""
         k = self.budget(limit)
-        if k == 0:
+        r = self.request
+        if k == 0 or (r.constraint is not None and len(r.pending()) != 1):  # a forced run is fed first
             return [], None
-        ids, q = self.draft.propose(list(self.request.seen), k, self._choose)
+        self.walk = 0 if r.constraint is not None else None  # a model draft's tokens follow the grammar too
+        try:
+            ids, q = self.draft.propose(list(self.request.seen), k, self._choose)
+        finally:
+            self._stop_walk()
         ids = [int(i) for i in ids][:k]
         vocab = self.request.model.config.vocab_size
         if any(not 0 <= i < vocab for i in ids) or (q is not None and np.shape(q)[1:] != (vocab,)):
@@ -186,26 +241,47 @@ class SpeculativeDecoder:
                 f"draft {self.draft!r} proposed ids {ids} / q of shape {np.shape(q)} outside the model's "
                 f"vocabulary of {vocab}; a draft must share the model's tokenizer."
             )
+        self.masks = [None] * (len(ids) + 1)
+        if r.constraint is not None and ids:
+            ids, self.masks = along_grammar(r.constraint, ids)
         return ids, None if q is None or not ids else np.asarray(q, dtype=np.float64)[: len(ids)]
 
     def _choose(self, logits: np.ndarray, seen) -> tuple[int, np.ndarray | None]:
-        """How a model draft picks its token: the request's processors; greedy gives no ``q``."""
+        """How a model draft picks its token: the request's processors (and a constraint's mask, as far
+        as the grammar walks without a forced run); greedy gives no ``q``."""
         r = self.request
         generated = list(seen)[len(r.prompt_ids) :]  # the ids past the prompt: OpenAI's penalties count these
+        allowed = r.constraint.allowed() if self.walk is not None else None
         if r.params.greedy:
-            return sampling.sample(logits, r.params, r.rng, seen_ids=seen, generated_ids=generated), None
-        q = distribution(logits, r.params, seen, generated)
-        return draw(q, r.rng), q
+            token, q = sampling.sample(logits, r.params, r.rng, seen, generated, allowed), None
+        else:
+            q = distribution(logits, r.params, seen, generated, allowed)
+            token = draw(q, r.rng)
+        if self.walk is not None:  # follow the draft in the grammar; stop at an EOS or before a forced run
+            if token not in r.constraint.eos:
+                r.constraint.consume(token)
+                self.walk += 1
+            if token in r.constraint.eos or r.constraint.forced():
+                self._stop_walk()
+        return token, q
 
-    def accept(self, logits: np.ndarray, ids: list[int], q) -> tuple[int, int]:
-        """Apply the rule to the verification logits ``[k + 1, vocab]``."""
-        r = self.request
+    def _stop_walk(self) -> None:
+        """End a draft's walk in the grammar (its later tokens unmasked: ``along_grammar`` cuts them)."""
+        if self.walk:
+            self.request.constraint.matcher.rollback(self.walk)
+        self.walk = None
+
+    def accept(self, logits, ids: list[int], q) -> tuple[int, int]:
+        """Apply the rule to the verification logits ``[k + 1, vocab]`` (an array, or a
+        ``steps.RowLogits`` whose rows are scored as the rule reaches them)."""
+        r, masks = self.request, self.masks
         seen, new = list(r.seen), list(r.new_ids)
         if r.params.greedy:
             return verify_greedy(
-                lambda i: sampling.sample(logits[i], r.params, None, seen + ids[:i], generated_ids=new + ids[:i]), ids
+                lambda i: sampling.sample(logits[i], r.params, None, seen + ids[:i], new + ids[:i], masks[i]), ids
             )
-        return verify(lambda i: distribution(logits[i], r.params, seen + ids[:i], new + ids[:i]), q, ids, r.rng)
+        p_of = lambda i: distribution(logits[i], r.params, seen + ids[:i], new + ids[:i], masks[i])  # noqa: E731
+        return verify(p_of, q, ids, r.rng)
 
     def settle(self, logits: np.ndarray, ids: list[int], q, step_t0: float):
         """After the forward over ``[last, *ids]``: accept, roll the cache back, push the tokens
@@ -217,16 +293,33 @@ class SpeculativeDecoder:
         m.drafted_tokens += len(ids)
         m.accepted_tokens += n
         m.verify_steps += 1
+        if self.spec.adaptive:
+            self.k = next_k(self.k, len(ids), n, self.spec.num_tokens)
         run = [*ids[:n], token]
         step_s = (time.perf_counter() - step_t0) / len(run)
         for j, t in enumerate(run):
-            yield from r.push(t, None, step_t0, cache_length=start + 1 + j, step_s=step_s)
+            mask = self.masks[j]
+            yield from r.push(t, self.probs(logits[j], mask), step_t0, cache_length=start + 1 + j, step_s=step_s,
+                              allowed=mask)  # fmt: skip
             if r.stop_reason is not None:  # never past a stop: the cache holds what came before it
                 run = run[: j + 1]
                 r.cache.truncate(start + len(run))
                 break
         if r.listener is not None:
             r.emit_verify(drafted=ids, accepted=n, token=token, bonus=n == len(ids), kept=run, step_t0=step_t0)
+
+    def probs(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray | None:
+        """The distribution plain decoding would show for the next token (after the request's tokens so
+        far, the kept drafts pushed), float32 ``[vocab]`` as ``sampling.sample_with_probs`` gives it,
+        for its logprobs and the trace (None when neither asks): the model's own ``p`` at that row,
+        whether the token is a kept draft, a resample or the bonus (each has ``p``'s distribution)."""
+        r = self.request
+        if r.listener is None and r.logprobs is None:
+            return None
+        seen, new = r.seen, r.new_ids
+        if r.params.greedy:  # greedy shows the penalised logits' softmax, unfiltered (as sample_with_probs)
+            return sampling.probabilities(sampling.penalize(logits, r.params, seen, new, allowed))
+        return sampling.probabilities(sampling.process_logits(logits, r.params, seen, new, allowed))
 
     def release(self) -> None:
         self.draft.release()

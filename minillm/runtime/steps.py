@@ -98,22 +98,50 @@ def decode_step(model: Model, token_id: int, cache: KVCache) -> np.ndarray:
     return model.transformer.forward(np.array([token_id], dtype=np.int64), cache)[0]  # [vocab]
 
 
-def verify_step(model: Model, token_id: int, drafted, cache: KVCache) -> np.ndarray:
+class RowLogits:
+    """A verification's logits, scored row by row on demand: ``rows[i]`` is float32 ``[vocab]``, the
+    LM head over row ``i`` of the residual stream ``hidden`` ``[k + 1, d_model]`` (computed once, then
+    kept). The head is the model's largest product, and a row past the first rejected draft is never
+    looked at; ``scored``: how many rows were."""
+
+    def __init__(self, transformer, hidden: np.ndarray):
+        self.transformer, self.hidden = transformer, hidden
+        self.rows: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.hidden)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"row {i} of a verification of {len(self)} rows")
+        i %= len(self)
+        if i not in self.rows:
+            self.rows[i] = self.transformer.head(self.hidden[i : i + 1])[0]  # [vocab]: one matrix-vector product
+        return self.rows[i]
+
+    @property
+    def scored(self) -> int:
+        return len(self.rows)
+
+
+def verify_step(model: Model, token_id: int, drafted, cache: KVCache) -> RowLogits:
     """Feed ``token_id`` and the ``k`` drafted ids at ``cache.length..``, one forward pass (a short
     prefill); the cache grows by ``k + 1`` (speculative decoding truncates the rejected ones).
 
     Returns:
-        float32 logits ``[k + 1, vocab]``: row ``i`` scores the token after the first ``i`` drafts.
+        :class:`RowLogits`, ``k + 1`` rows of float32 logits ``[vocab]``: row ``i`` scores the token
+        after the first ``i`` drafts, its LM head computed when it is first read.
 
-    The ``k + 1`` rows go through the batched pass (``forward_batch``), so the model's kernels may
-    take their few-rows products: a short product costs about what one row costs there, which is
-    what makes verifying cheap.
+    The ``k + 1`` rows go through the layers' batched products (``forward_batch``: the kernels'
+    few-rows forms); the head, one matrix-vector product per row read, costs only the rows the
+    acceptance rule reaches.
 
     Raises:
         KVCacheFullError: no room for ``k + 1`` more positions.
     """
     ids = np.array([token_id, *drafted], dtype=np.int64)
-    return model.transformer.forward_batch([(ids, cache)], all_logits=True)  # [k + 1, vocab]
+    hidden = model.transformer.forward_batch([(ids, cache)], all_logits=True, logits=False)  # [k + 1, d_model]
+    return RowLogits(model.transformer, hidden)
 
 
 def sample(

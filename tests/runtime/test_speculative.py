@@ -31,6 +31,7 @@ from minillm.runtime.speculative import (
     Speculative,
     acceptance_probability,
     distribution,
+    next_k,
     residual,
     verify,
 )
@@ -171,7 +172,7 @@ def test_sampled_distribution_is_the_models(word_model, draft):
     exact = exact_continuations(word_model, prompt, params)
     n = 2000
     counts: dict[tuple, int] = {}
-    spec = Speculative(draft, num_tokens=2)
+    spec = Speculative(draft, num_tokens=2, adaptive=False, prompt_lookup_min=1)
     drafted = 0
     for seed in range(n):
         r = minillm.generate(word_model, prompt, params, max_new_tokens=4, rng=np.random.default_rng(seed),
@@ -211,38 +212,59 @@ def test_stops_inside_an_accepted_run(word_model, options):
     plain = minillm.generate(word_model, prompt, **options)
     full = minillm.generate(word_model, prompt, max_new_tokens=40)
     n = len(word_model.tokenizer.encode(prompt))
-    spec = minillm.generate(word_model, prompt, speculative=Speculative(Oracle(full.ids, n), num_tokens=8), **options)
+    oracle = Speculative(Oracle(full.ids, n), num_tokens=8, adaptive=False)
+    spec = minillm.generate(word_model, prompt, speculative=oracle, **options)
     assert (spec.ids, spec.text, spec.stop_reason) == (plain.ids, plain.text, plain.stop_reason)
     m = spec.metrics
     assert m.drafted_tokens == m.accepted_tokens  # an oracle is always right ...
     assert m.target_passes == 1 + math.ceil((len(spec.ids) - 1) / 9)  # ... so each pass gives k + 1 = 9
 
 
+def test_next_k_grows_on_a_full_run_and_shrinks_on_a_rejection():
+    assert next_k(1, 1, 1, most=4) == 2  # every draft kept: one more next time
+    assert next_k(4, 4, 4, most=4) == 4  # ... never above num_tokens
+    assert next_k(4, 2, 2, most=8) == 5  # a short proposal (the lookup ran out) all kept: still grows
+    assert next_k(6, 6, 2, most=8) == 3  # two kept, then a rejection: the kept run and one more
+    assert next_k(3, 3, 0, most=8) == 2  # nothing kept: one fewer ...
+    assert next_k(1, 1, 0, most=8) == 1  # ... but at least one (a pass without a match drafts nothing)
+    assert next_k(5, 0, 0, most=8) == 5  # nothing proposed: k unchanged
+
+
+def test_adaptive_k_ramps_up_with_an_oracle(word_model):
+    """An always-right draft under the adaptive rule asks 1, 2, 3 .. 8 drafts: passes give 2, 3, 4 .. 9 tokens."""
+    prompt = "AB C DEF AB C"
+    full = minillm.generate(word_model, prompt, max_new_tokens=40)
+    n = len(word_model.tokenizer.encode(prompt))
+    spec = minillm.generate(word_model, prompt, max_new_tokens=40, speculative=Speculative(Oracle(full.ids, n), 8))
+    assert spec.ids == full.ids
+    # after the prefill's token: 2 + 3 + ... + 8 = 35 tokens in 7 passes, then 4 left (k capped by the budget)
+    assert spec.metrics.target_passes == 1 + 7 + 1
+    assert spec.metrics.drafted_tokens == spec.metrics.accepted_tokens == 1 + 2 + 3 + 4 + 5 + 6 + 7 + 3
+
+
 def test_eos_inside_an_accepted_run(word_model):
     """A draft that proposes EOS where the model's argmax is EOS: the run ends there, nothing after."""
     model = word_model
     logits_eos = np.full(108, -5.0, dtype=np.float32)
-    prompt_ids = model.tokenizer.encode("AB C")
 
     class EndsSoon(Draft):
         def propose(self, tokens, k, choose):
             return [1, 3, 3][:k], None  # EOS, then tokens that must never be emitted
 
-    real = model.transformer.forward_batch  # a verification is a batched pass over [last, d1 .. dk]
+    from minillm.runtime import generate as generate_module
 
-    def forward_batch(chunks, **kw):
-        out = real(chunks, **kw)
-        ((token_ids, cache),) = chunks
-        if len(token_ids) > 1 and cache.length > len(prompt_ids):  # a verification
-            out[:] = logits_eos
-            out[0, 1] = 5.0  # argmax after [last]: EOS (id 1)
+    def verify_step(model, token_id, drafted, cache):  # a verification: its k + 1 rows of logits, EOS first
+        cache.advance(1 + len(drafted))
+        out = np.tile(logits_eos, (1 + len(drafted), 1))
+        out[0, 1] = 5.0  # argmax after [last]: EOS (id 1)
         return out
 
-    model.transformer.forward_batch = forward_batch
+    real = generate_module.verify_step
+    generate_module.verify_step = verify_step
     try:
         r = minillm.generate(model, "AB C", max_new_tokens=10, speculative=Speculative(EndsSoon(), num_tokens=3))
     finally:
-        del model.transformer.forward_batch
+        generate_module.verify_step = real
     assert r.ids[-1] == 1 and r.stop_reason is minillm.StopReason.EOS
     assert r.metrics.accepted_tokens == 1 and len(r.ids) == 2  # the first token, then the accepted EOS
 
@@ -430,7 +452,133 @@ def test_a_draft_equal_to_the_model_accepts_everything(smollm2):
     model's own logits (another product order): every draft is kept, one pass per k + 1 tokens."""
     plain = minillm.generate(smollm2, "The capital of France is", max_new_tokens=21)
     spec = minillm.generate(smollm2, "The capital of France is", max_new_tokens=21,
-                            speculative=Speculative("self-gguf", num_tokens=4))  # fmt: skip
+                            speculative=Speculative("self-gguf", num_tokens=4, adaptive=False))  # fmt: skip
     assert spec.ids == plain.ids
     m = spec.metrics
     assert (m.drafted_tokens, m.accepted_tokens, m.target_passes) == (16, 16, 1 + 20 // 5)
+
+
+# --- logprobs: the model's own p at every accepted, resampled and bonus token ---------------------------
+def assert_same_logprobs(got: list[dict], want: list[dict]) -> None:
+    assert [e["id"] for e in got] == [e["id"] for e in want]
+    for g, w in zip(got, want, strict=True):
+        assert abs(g["logprob"] - w["logprob"]) < 1e-5, (g, w)
+        assert [i for i, _ in g["top"]] == [i for i, _ in w["top"]]
+        np.testing.assert_allclose([lp for _, lp in g["top"]], [lp for _, lp in w["top"]], atol=1e-5)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "layers:2", "self-int8"])
+def test_greedy_logprobs_equal_plain_decodings(word_model, draft):
+    params = minillm.SamplingParams(temperature=0.0, top_logprobs=3, repetition_penalty=1.1)
+    for prompt in PROMPTS[:3]:
+        plain = minillm.generate(word_model, prompt, params, max_new_tokens=16)
+        spec = minillm.generate(word_model, prompt, params, max_new_tokens=16, speculative=Speculative(draft, 4))
+        assert spec.metrics.accepted_tokens > 0  # some tokens came out of a verification
+        assert spec.ids == plain.ids and len(spec.logprobs) == len(spec.ids) >= 12
+        assert_same_logprobs(spec.logprobs, plain.logprobs)
+
+
+def test_sampled_logprobs_are_the_models_p(word_model):
+    """Sampled: each token's logprob is log p(token) of the plain sampler's distribution after the
+    tokens before it, computed here by a fresh forward over the whole prefix."""
+    params = minillm.SamplingParams(temperature=0.9, top_k=6, top_logprobs=2, seed=3)
+    prompt = "X Y Z X Y Z X"
+    r = minillm.generate(word_model, prompt, params, max_new_tokens=12, speculative=Speculative("layers:3", 4))
+    assert r.metrics.accepted_tokens > 0
+    ids = word_model.tokenizer.encode(prompt).tolist()
+    want = []
+    for i, t in enumerate(r.ids):
+        seq = ids + r.ids[:i]
+        logits = word_model.transformer.forward(np.asarray(seq), None)[-1]
+        probs = sampling.probabilities(sampling.process_logits(logits, params, seq, r.ids[:i]))
+        want.append(sampling.token_logprobs(probs, t, 2))
+    assert_same_logprobs(r.logprobs, want)
+
+
+# --- with a constraint: each draft checked against the grammar's mask, the matcher rolled back -------------
+#: words of the scripted vocabulary: a run of X/Y/Z/DE/w, then 'KL' (forced after the ninth: the only way on)
+WORD_GRAMMAR = r"(X|Y|Z|DE|w){3,9}KL(X|Y|Z|AB|C)*"
+
+
+@pytest.fixture(scope="module")
+def grammar_model(word_model, tmp_path_factory) -> Model:
+    """The word model with its tokenizer's decoder told as ByteLevel (llguidance reads no Fuse decoder;
+    the pieces are ASCII, so both decode 'AB', 'C' to 'ABC')."""
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("spec-grammar-model")
+    for f in word_model.path.iterdir():
+        shutil.copy(f, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    m = word_model
+    return Model("word", folder, m.config, Tokenizer.from_folder(folder), m.transformer, None)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "layers:2", "layers:3"])
+def test_greedy_with_a_grammar_equals_constrained_plain(grammar_model, draft):
+    from minillm import Constraint
+
+    params = minillm.SamplingParams(temperature=0.0, top_logprobs=2)
+    constraint = Constraint.regex(WORD_GRAMMAR)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        plain = minillm.generate(grammar_model, prompt, params, max_new_tokens=16, constraint=constraint)
+        assert "KL" in plain.text
+        for k in (1, 4):
+            spec = minillm.generate(grammar_model, prompt, params, max_new_tokens=16, constraint=constraint,
+                                    speculative=Speculative(draft, num_tokens=k))  # fmt: skip
+            assert (spec.ids, spec.text, spec.stop_reason) == (plain.ids, plain.text, plain.stop_reason), (prompt, k)
+            assert_same_logprobs(spec.logprobs, plain.logprobs)
+            drafted += spec.metrics.drafted_tokens
+            accepted += spec.metrics.accepted_tokens
+    assert drafted > 0 and (accepted > 0 or draft == "ngram")  # the random model copies little
+
+
+def test_along_grammar_cuts_at_a_refused_draft_and_rolls_the_matcher_back(grammar_model):
+    from minillm import Constraint
+    from minillm.runtime.constraint import ConstraintState
+    from minillm.runtime.speculative import along_grammar
+
+    state = ConstraintState(grammar_model, Constraint.regex(WORD_GRAMMAR))
+    ids = {w: int(grammar_model.tokenizer.encode(w, add_special_tokens=False)[0]) for w in ("X", "Y", "AB", "KL")}
+    before = state.allowed()
+    kept, masks = along_grammar(state, [ids["X"], ids["Y"], ids["AB"], ids["X"]])
+    assert kept == [ids["X"], ids["Y"]] and len(masks) == 3  # AB is not allowed before the forced run
+    assert masks[2][ids["X"]] and not masks[2][ids["AB"]]
+    np.testing.assert_array_equal(state.allowed(), before)  # the matcher is where it started
+    for _ in range(7):
+        state.advance(ids["X"])
+    kept, masks = along_grammar(state, [ids["X"], ids["X"], ids["KL"]])
+    assert kept == [ids["X"]] and len(masks) == 2  # after a ninth X the grammar forces KL: the request adds it
+    state.advance(ids["X"])
+    kept, masks = along_grammar(state, [ids["X"], ids["KL"]])
+    assert kept == [] and len(masks) == 1
+    assert state.advance(ids["X"]) == [ids["KL"]]  # ... as here
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["ngram", "layers:20"])
+def test_smollm2_greedy_with_a_schema_equals_constrained_plain(smollm2, draft):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+              "city": {"enum": ["Paris", "Berlin", "Rome"]}, "age": {"type": "integer"}},
+              "required": ["name", "city", "age"], "additionalProperties": False}  # fmt: skip
+    prompt = [{"role": "user", "content": 'Describe Ana, 31, from Rome, as JSON: {"name": "Ana", "city": "Rome", "age": 31}'}]
+    plain = minillm.generate(smollm2, prompt, max_new_tokens=40, constraint=schema)
+    spec = minillm.generate(smollm2, prompt, max_new_tokens=40, constraint=schema, speculative=draft)
+    assert spec.ids == plain.ids and spec.text == plain.text
+    assert spec.metrics.accepted_tokens > 0
+
+
+def test_batch_with_a_grammar_equals_constrained_plain(grammar_model):
+    from minillm import Constraint
+
+    constraint = Constraint.regex(WORD_GRAMMAR)
+    plain = [minillm.generate(grammar_model, p, max_new_tokens=16, constraint=constraint).ids for p in PROMPTS]
+    batch = minillm.generate_batch(grammar_model, PROMPTS, max_new_tokens=16, block_size=4,
+                                   per_prompt=[{"constraint": constraint}] * len(PROMPTS),
+                                   speculative=Speculative("layers:3", num_tokens=4))  # fmt: skip
+    assert [r.ids for r in batch] == plain
+    assert sum(r.metrics.accepted_tokens for r in batch) > 0
