@@ -9,7 +9,7 @@ What stays float32: the norms (GGUF stores them as F32; Gemma's ``1 + w`` handle
 What stays packed: every projection, the embedding (SmolLM2: Q8_0; Gemma 3: Q8_0) and an untied
 LM head. q|k|v and gate|up are stacked without repacking, since a GGUF may give each its own type.
 llama.cpp's permutation of the llama family's q/k rows is undone on whole packed rows
-(``sources.gguf_import.read_packed_tensors``).
+(``sources.gguf_packed.read_packed_tensors``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from minillm.model.config import ModelConfig
 from minillm.model.families import NAME_MAPS, MlpKind, NormKind, PositionKind
 from minillm.model.held import BlockMatrix, StackedMatrix
 from minillm.model.weights import LayerWeights, Weights
-from minillm.sources.gguf_import import read_packed_tensors
+from minillm.sources.gguf_packed import read_packed_tensors
 
 
 def load_gguf_weights(gguf_path: str | os.PathLike, config: ModelConfig) -> Weights:
