@@ -28,7 +28,6 @@ or SentencePiece BPE) is rebuilt in `gguf_tokenizer.py`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -48,6 +47,7 @@ from minillm.sources.gguf_reader import (  # noqa: F401 (GGUF_MAGIC, is_big_endi
     read_tensor,
 )
 from minillm.sources.gguf_tokenizer import build_tokenizer
+from minillm.sources.wheels import file_sha256
 
 
 # --- public API ---------------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def import_gguf(
     _write_json(out_dir / "generation_config.json", generation)
     facts = {
         "gguf_file": gguf_path.name,
-        "gguf_sha256": _sha256(gguf_path),
+        "gguf_sha256": file_sha256(gguf_path),
         "gguf_size": gguf_path.stat().st_size,
         "architecture": arch_name,
         "quantization": quantization_summary(reader),
@@ -221,11 +221,3 @@ def _tokenizer_config(meta: dict, tokens: list[str], config: dict) -> dict:
 # --- small helpers ------------------------------------------------------------------------------
 def _write_json(path: pathlib.Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _sha256(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
