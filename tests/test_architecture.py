@@ -295,7 +295,6 @@ ALLOWANCE.update({
     "minillm/runtime/loading.py:load": 117,
     "minillm/runtime/request.py": 428,
     "minillm/runtime/request.py:Request.__init__": 92,
-    "minillm/text/tokenizer.py": 438,
 })
 
 
