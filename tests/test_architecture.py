@@ -289,8 +289,6 @@ ALLOWANCE.update({
     "minillm/model/gguf_weights.py:load_gguf_weights": 84,
     "minillm/model/lora.py:load_adapter": 108,
     "minillm/model/paged_kv_cache.py": 438,
-    "minillm/observe/describe.py": 418,
-    "minillm/observe/render.py": 435,
     "minillm/runtime/generate.py:generate_batch": 103,
     "minillm/runtime/loading.py:load": 117,
     "minillm/runtime/request.py": 428,
