@@ -291,8 +291,6 @@ ALLOWANCE.update({
     "minillm/model/paged_kv_cache.py": 438,
     "minillm/runtime/generate.py:generate_batch": 103,
     "minillm/runtime/loading.py:load": 117,
-    "minillm/runtime/request.py": 428,
-    "minillm/runtime/request.py:Request.__init__": 92,
 })
 
 
