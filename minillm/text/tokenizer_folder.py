@@ -8,13 +8,13 @@ generation_config.json, config.json   more end-of-sequence ids (int or list; all
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
 from minillm.errors import TokenizerError
+from minillm.sources.json_file import read_json
 
 
 def _token_content(value: Any) -> str | None:
@@ -25,12 +25,8 @@ def _token_content(value: Any) -> str | None:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TokenizerError(f"{path} is not valid JSON ({exc}); re-download or re-convert the model folder") from exc
+    """A JSON object file's fields; {} when the file is missing or holds another JSON value."""
+    data = read_json(path, TokenizerError, missing=None, fix="re-download or re-convert the model folder")
     return data if isinstance(data, dict) else {}
 
 
