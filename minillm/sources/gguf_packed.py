@@ -19,6 +19,7 @@ from minillm.sources.gguf_families import ARCHITECTURES, plan_tensors, unpermute
 from minillm.sources.gguf_reader import scan_gguf, unreadable
 
 
+@dataclass
 class PackedTensor:
     """One GGUF tensor as stored, under its Hugging Face name: its blocks kept packed.
 
