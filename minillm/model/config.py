@@ -15,7 +15,6 @@ Two dialects of config.json exist: hub checkpoints carry
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from minillm.model.families import (
     PositionKind,
     need,
 )
+from minillm.sources.json_file import read_json
 
 
 @dataclass(frozen=True)
@@ -129,69 +129,10 @@ class ModelConfig:
                 ``head_dim`` is given, kv heads not dividing heads), or a variant minillm does not
                 implement (a RoPE scaling type, an activation, bidirectional attention...).
         """
-        if not isinstance(raw, dict):
-            raise ConfigError(
-                f"{source}: expected a JSON object of fields, got {type(raw).__name__}; re-download config.json."
-            )
-        model_type = raw.get("model_type")
-        if not isinstance(model_type, str) or model_type not in SUPPORTED_FAMILIES:
-            families = ", ".join(f"{k} ({v[0]})" for k, v in SUPPORTED_FAMILIES.items())
-            hint = (
-                " This is the multimodal Gemma 3 config; minillm runs the text-only model "
-                "(Gemma3ForCausalLM, model_type gemma3_text)."
-                if model_type == "gemma3"
-                else ""
-            )
-            raise ConfigError(
-                f"{source}: model_type {model_type!r} is not supported; minillm implements: "
-                f"{families}.{hint} Use a model of one of these families."
-            )
-        family = SUPPORTED_FAMILIES[model_type][0]
+        model_type, family = _family(raw, source)
         if family == "gpt2":  # GPT-2 spells the common fields its own way
-            raw = {
-                **raw,
-                **{
-                    new: raw[old]
-                    for old, new in (
-                        ("n_embd", "hidden_size"),
-                        ("n_layer", "num_hidden_layers"),
-                        ("n_head", "num_attention_heads"),
-                        ("n_positions", "max_position_embeddings"),
-                    )
-                    if old in raw
-                },
-            }
-
-        def size(name: str, value: Any) -> int:
-            # A size must be a whole number >= 1; 0 or "64" would fail later as ZeroDivisionError.
-            whole = (isinstance(value, int) and not isinstance(value, bool)) or (
-                isinstance(value, float) and value.is_integer()
-            )
-            if not whole or value < 1:
-                raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}; fix config.json.")
-            return int(value)
-
-        hidden = size("hidden_size", need(raw, "hidden_size", source))
-        n_heads = size("num_attention_heads", need(raw, "num_attention_heads", source))
-        n_layers = size("num_hidden_layers", need(raw, "num_hidden_layers", source))
-        n_kv = size("num_key_value_heads", raw.get("num_key_value_heads") or n_heads)
-        size("vocab_size", need(raw, "vocab_size", source))
-        for name in ("intermediate_size", "max_position_embeddings", "n_inner", "head_dim"):
-            if raw.get(name) is not None:
-                size(name, raw[name])
-        head_dim = raw.get("head_dim") or {"qwen3": 128, "gemma3": 256}.get(family)
-        if head_dim is None:
-            if hidden % n_heads:
-                raise ConfigError(
-                    f"{source}: num_attention_heads={n_heads} does not divide hidden_size={hidden} "
-                    "and no head_dim is given; fix the config or add head_dim."
-                )
-            head_dim = hidden // n_heads
-        if n_heads % n_kv:
-            raise ConfigError(
-                f"{source}: num_key_value_heads={n_kv} does not divide num_attention_heads={n_heads}; "
-                "grouped-query attention needs a whole number of query heads per kv head."
-            )
+            raw = {**raw, **{new: raw[old] for old, new in GPT2_NAMES if old in raw}}
+        hidden, n_heads, n_layers, n_kv, head_dim = _shapes(raw, family, source)
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         common = dict(
@@ -220,16 +161,82 @@ class ModelConfig:
                 :meth:`from_dict`.
         """
         file = Path(path) / "config.json"
-        if not file.is_file():
-            raise ConfigError(
-                f"no config.json in {Path(path)}; a model folder needs config.json, tokenizer.json "
-                "and *.safetensors weights (download the full model or pass a model name)."
-            )
-        try:
-            raw = json.loads(file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{file} is not valid JSON ({exc}); re-download the model.") from exc
+        missing = (
+            f"no config.json in {Path(path)}; a model folder needs config.json, tokenizer.json "
+            "and *.safetensors weights (download the full model or pass a model name)."
+        )
+        raw = read_json(file, ConfigError, missing=missing, fix="re-download the model.")
         return cls.from_dict(raw, source=str(file))
+
+
+#: GPT-2's names of the common fields -> the names the other families use.
+GPT2_NAMES = (
+    ("n_embd", "hidden_size"),
+    ("n_layer", "num_hidden_layers"),
+    ("n_head", "num_attention_heads"),
+    ("n_positions", "max_position_embeddings"),
+)
+
+
+def _family(raw: Any, source: str) -> tuple[str, str]:
+    """``(model_type, family)`` of a parsed config.json. Raises ConfigError: not a JSON object, or
+    a ``model_type`` minillm does not implement (naming the supported ones)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{source}: expected a JSON object of fields, got {type(raw).__name__}; re-download config.json."
+        )
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_FAMILIES:
+        families = ", ".join(f"{k} ({v[0]})" for k, v in SUPPORTED_FAMILIES.items())
+        hint = (
+            " This is the multimodal Gemma 3 config; minillm runs the text-only model "
+            "(Gemma3ForCausalLM, model_type gemma3_text)."
+            if model_type == "gemma3"
+            else ""
+        )
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} is not supported; minillm implements: "
+            f"{families}.{hint} Use a model of one of these families."
+        )
+    return model_type, SUPPORTED_FAMILIES[model_type][0]
+
+
+def _size(name: str, value: Any, source: str) -> int:
+    """A size must be a whole number >= 1 (0 or "64" would fail later as ZeroDivisionError). Raises ConfigError."""
+    whole = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer()
+    )
+    if not whole or value < 1:
+        raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}; fix config.json.")
+    return int(value)
+
+
+def _shapes(raw: dict, family: str, source: str) -> tuple[int, int, int, int, int]:
+    """``(hidden_size, heads, layers, kv_heads, head_dim)``, every size checked. Raises ConfigError:
+    a required size missing or not a positive integer, heads not dividing ``hidden_size`` when no
+    ``head_dim`` is given, kv heads not dividing heads."""
+    hidden = _size("hidden_size", need(raw, "hidden_size", source), source)
+    n_heads = _size("num_attention_heads", need(raw, "num_attention_heads", source), source)
+    n_layers = _size("num_hidden_layers", need(raw, "num_hidden_layers", source), source)
+    n_kv = _size("num_key_value_heads", raw.get("num_key_value_heads") or n_heads, source)
+    _size("vocab_size", need(raw, "vocab_size", source), source)
+    for name in ("intermediate_size", "max_position_embeddings", "n_inner", "head_dim"):
+        if raw.get(name) is not None:
+            _size(name, raw[name], source)
+    head_dim = raw.get("head_dim") or {"qwen3": 128, "gemma3": 256}.get(family)
+    if head_dim is None:
+        if hidden % n_heads:
+            raise ConfigError(
+                f"{source}: num_attention_heads={n_heads} does not divide hidden_size={hidden} "
+                "and no head_dim is given; fix the config or add head_dim."
+            )
+        head_dim = hidden // n_heads
+    if n_heads % n_kv:
+        raise ConfigError(
+            f"{source}: num_key_value_heads={n_kv} does not divide num_attention_heads={n_heads}; "
+            "grouped-query attention needs a whole number of query heads per kv head."
+        )
+    return hidden, n_heads, n_layers, n_kv, int(head_dim)
 
 
 def kv_bytes_per_token(

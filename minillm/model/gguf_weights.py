@@ -9,7 +9,7 @@ What stays float32: the norms (GGUF stores them as F32; Gemma's ``1 + w`` handle
 What stays packed: every projection, the embedding (SmolLM2: Q8_0; Gemma 3: Q8_0) and an untied
 LM head. q|k|v and gate|up are stacked without repacking, since a GGUF may give each its own type.
 llama.cpp's permutation of the llama family's q/k rows is undone on whole packed rows
-(``sources.gguf_import.read_packed_tensors``).
+(``sources.gguf_packed.read_packed_tensors``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from minillm.model.config import ModelConfig
 from minillm.model.families import NAME_MAPS, MlpKind, NormKind, PositionKind
 from minillm.model.held import BlockMatrix, StackedMatrix
 from minillm.model.weights import LayerWeights, Weights
-from minillm.sources.gguf_import import read_packed_tensors
+from minillm.sources.gguf_packed import read_packed_tensors
 
 
 def load_gguf_weights(gguf_path: str | os.PathLike, config: ModelConfig) -> Weights:
@@ -47,33 +47,8 @@ def load_gguf_weights(gguf_path: str | os.PathLike, config: ModelConfig) -> Weig
     t0 = time.perf_counter()
     tensors, _ = read_packed_tensors(path)
     t1 = time.perf_counter()
-    names = NAME_MAPS[config.family]
-    counts: Counter = Counter()
-    nbytes: Counter = Counter()
-    used: set[str] = set()
-
-    def get(key: str, shape: tuple[int, ...], i: int | None = None):
-        name = names[key].format(i=i)
-        if name not in tensors:
-            raise WeightsError(f"tensor {name!r} is missing from {path.name}; the GGUF does not match config.json")
-        t = tensors[name]
-        if t.shape != shape:
-            raise WeightsError(f"tensor {t.name!r} in {path.name} has shape {t.shape}, expected {shape}")
-        used.add(name)
-        counts[t.type_name] += int(np.prod(shape))
-        nbytes[t.type_name] += t.data.nbytes
-        return t
-
-    def matrix(key: str, rows: int, cols: int, i: int | None = None) -> BlockMatrix:
-        t = get(key, (rows, cols), i)
-        return BlockMatrix(t.data, t.type_name, cols, t.name)
-
-    def norm(key: str, dim: int, i: int | None = None) -> np.ndarray:
-        w = get(key, (dim,), i).to_float32()  # what the converted folder holds (Gemma: w, not 1 + w)
-        if config.norm_weight_offset:  # then as weights.load_weights: 1 + w, in float32
-            w = w + np.float32(config.norm_weight_offset)
-        return w
-
+    r = _PackedReader(path, config, tensors)
+    matrix, norm = r.matrix, r.norm
     if config.norm is not NormKind.RMSNORM:
         raise WeightsError(f"{path.name}: weight_dtype='gguf' expects RMSNorm models")
     d, ffn, vocab, hd = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
@@ -98,7 +73,7 @@ def load_gguf_weights(gguf_path: str | os.PathLike, config: ModelConfig) -> Weig
                 mlp_post_norm=norm("mlp_post_norm", d, i) if config.post_norms else None,
             )
         )
-    tied = config.tie_word_embeddings or names["lm_head"] not in tensors
+    tied = config.tie_word_embeddings or r.names["lm_head"] not in tensors
     lm_head = embed if tied else matrix("lm_head", vocab, d)
     final_norm = norm("final_norm", d)
     return Weights(
@@ -106,10 +81,48 @@ def load_gguf_weights(gguf_path: str | os.PathLike, config: ModelConfig) -> Weig
         layers=layers,
         final_norm=final_norm,
         lm_head=lm_head,
-        stored_dtypes=counts,
-        stored_bytes=nbytes,
-        unused_tensors=sorted(set(tensors) - used),
+        stored_dtypes=r.counts,
+        stored_bytes=r.nbytes,
+        unused_tensors=sorted(set(tensors) - r.used),
         files=[path],
         seconds={"read": t1 - t0, "convert": time.perf_counter() - t1},
         weight_dtype="gguf",
     )
+
+
+class _PackedReader:
+    """A GGUF's packed tensors by the family's key (``NAME_MAPS``), each checked against its shape and
+    counted (parameters and bytes per GGUF type) as it is taken."""
+
+    def __init__(self, path: Path, config: ModelConfig, tensors: dict):
+        self.path, self.config, self.tensors = path, config, tensors
+        self.names = NAME_MAPS[config.family]
+        self.counts: Counter = Counter()
+        self.nbytes: Counter = Counter()
+        self.used: set[str] = set()
+
+    def get(self, key: str, shape: tuple[int, ...], i: int | None = None):
+        """The packed tensor of ``key`` (layer ``i``). Raises WeightsError: missing, or not of ``shape``."""
+        name = self.names[key].format(i=i)
+        if name not in self.tensors:
+            raise WeightsError(f"tensor {name!r} is missing from {self.path.name}; the GGUF does not match config.json")
+        t = self.tensors[name]
+        if t.shape != shape:
+            raise WeightsError(f"tensor {t.name!r} in {self.path.name} has shape {t.shape}, expected {shape}")
+        self.used.add(name)
+        self.counts[t.type_name] += int(np.prod(shape))
+        self.nbytes[t.type_name] += t.data.nbytes
+        return t
+
+    def matrix(self, key: str, rows: int, cols: int, i: int | None = None) -> BlockMatrix:
+        """A ``[rows, cols]`` matrix, its blocks kept packed."""
+        t = self.get(key, (rows, cols), i)
+        return BlockMatrix(t.data, t.type_name, cols, t.name)
+
+    def norm(self, key: str, dim: int, i: int | None = None) -> np.ndarray:
+        """A norm's float32 ``[dim]`` weight, as the converted folder holds it (Gemma: w, not 1 + w),
+        then with the family's offset added as ``weights.load_weights`` does (``1 + w``)."""
+        w = self.get(key, (dim,), i).to_float32()
+        if self.config.norm_weight_offset:
+            w = w + np.float32(self.config.norm_weight_offset)
+        return w

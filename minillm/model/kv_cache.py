@@ -29,7 +29,22 @@ from minillm.model.config import ModelConfig, kv_bytes_per_token
 KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 
 
-class KVCache:
+class CacheWindow:
+    """What a cache of ``length`` filled positions out of ``max_seq_len`` says of itself; shared by
+    :class:`KVCache` and the paged pool's ``PagedSequence`` (each has ``bytes_per_token``)."""
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes holding the ``length`` filled positions."""
+        return self.length * self.bytes_per_token
+
+    @property
+    def free_positions(self) -> int:
+        """Positions still free: ``max_seq_len - length``."""
+        return self.max_seq_len - self.length
+
+
+class KVCache(CacheWindow):
     """Per-request state: keys and values ``[n_layers, n_kv_heads, max_seq_len, head_dim]`` + ``length``.
 
     Writing is two steps so every layer of one forward pass writes the same positions:
@@ -90,15 +105,6 @@ class KVCache:
         """Bytes reserved for ``max_seq_len`` positions (keys + values, and int8's scales)."""
         return self.keys.nbytes + self.values.nbytes + self.key_scales.nbytes + self.value_scales.nbytes
 
-    @property
-    def used_bytes(self) -> int:
-        """Bytes holding the ``length`` filled positions."""
-        return self.length * self.bytes_per_token
-
-    @property
-    def free_positions(self) -> int:
-        return self.max_seq_len - self.length
-
     # --- writing and reading --------------------------------------------------------------------
     def check_room(self, seq: int) -> None:
         """Raise :class:`KVCacheFullError` unless ``seq`` more positions fit."""
@@ -111,13 +117,7 @@ class KVCache:
 
     def check_compatible(self, config: ModelConfig) -> None:
         """Raise :class:`KVCacheMismatchError` if this cache was built for another model's shape."""
-        want = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-        have = (self.num_layers, self.num_kv_heads, self.head_dim)
-        if want != have:
-            raise KVCacheMismatchError(
-                f"this KV cache is shaped (layers, kv_heads, head_dim)={have} but the model needs "
-                f"{want}; build one with KVCache.for_model(model.config)."
-            )
+        check_shape(config, self, "KV cache", "KVCache.for_model(model.config)")
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store this call's ``k``, ``v`` (``[n_kv_heads, seq, head_dim]``) for ``layer`` at
@@ -174,4 +174,17 @@ class KVCache:
         return (
             f"KVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"length={self.length}/{self.max_seq_len}, dtype={self.dtype}, nbytes={self.nbytes:,})"
+        )
+
+
+def check_shape(config: ModelConfig, cache, what: str, build: str) -> None:
+    """Raise :class:`KVCacheMismatchError` unless ``cache`` (a ``KVCache`` or a paged sequence: its
+    ``num_layers``, ``num_kv_heads``, ``head_dim``) has the shape ``config``'s model needs; the message
+    names the ``what`` and the call that ``build``s the right one."""
+    want = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+    have = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
+    if want != have:
+        raise KVCacheMismatchError(
+            f"this {what} is shaped (layers, kv_heads, head_dim)={have} but the model needs {want}; build one with "
+            f"{build}."
         )

@@ -32,7 +32,6 @@ with tensors in the file, and the other PEFT variants listed in :data:`_REFUSED`
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -46,6 +45,7 @@ from minillm.errors import AdapterError, WeightsError
 from minillm.model.config import ModelConfig
 from minillm.model.families import NAME_MAPS, OPTIONAL_PREFIX, MlpKind
 from minillm.model.weights import Weights
+from minillm.sources.json_file import read_json
 from minillm.sources.safetensors_file import read_safetensors_header
 
 CONFIG_FILE = "adapter_config.json"
@@ -187,15 +187,13 @@ def read_adapter_config(folder: Path) -> dict:
             f"adapter folder {folder} does not exist; pass the folder PEFT's "
             "save_pretrained wrote (adapter_config.json + adapter_model.safetensors)."
         )
-    if not file.is_file():
-        raise AdapterError(
-            f"{file} is missing; a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE} "
-            "(save it with PeftModel.save_pretrained)."
-        )
-    try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"{file} is not valid JSON ({exc}); re-save the adapter.") from None
+    missing = (
+        f"{file} is missing; a PEFT adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE} "
+        "(save it with PeftModel.save_pretrained)."
+    )
+    cfg = read_json(file, AdapterError, missing=missing, fix="re-save the adapter.")
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{file}: expected a JSON object of fields, got {type(cfg).__name__}; re-save the adapter.")
     kind = cfg.get("peft_type")
     if kind != "LORA":
         raise AdapterError(f"{file}: peft_type is {kind!r}; minillm runs LoRA adapters only (peft_type 'LORA').")
@@ -257,7 +255,38 @@ def load_adapter(
         return alpha / math.sqrt(rank) if rslora else alpha / rank
 
     slots = module_slots(config)
-    pairs: dict[str, dict[str, str]] = {}  # module -> {"A": tensor name, "B": tensor name}
+    pairs = _pair_tensors(file, tensors, slots, config)
+    deltas = [
+        _delta(file, module, ab, slots[module], weights, tensors, _pattern_rank(module, rank_pattern, r), scaling_for)
+        for module, ab in pairs.items()
+    ]
+    if not deltas:
+        raise AdapterError(f"{file} holds no LoRA tensors; nothing to apply.")
+    deltas.sort(key=lambda delta: (delta.layer, delta.weight, delta.rows.start))
+    adapter = LoraAdapter(
+        name=folder.resolve().name,
+        path=folder,
+        rank=r,
+        alpha=alpha,
+        use_rslora=rslora,
+        scaling=scaling_for(r),
+        targets=sorted({delta.module.rsplit(".", 1)[-1] for delta in deltas}),
+        deltas=deltas,
+        base_model=cfg.get("base_model_name_or_path"),
+        fan_in_fan_out=bool(cfg.get("fan_in_fan_out")),
+    )
+    adapter.notes += _base_model_notes(adapter, model_names)
+    adapter.seconds = time.perf_counter() - t0
+    return adapter
+
+
+def _pair_tensors(file: Path, tensors: dict, slots: dict, config: ModelConfig) -> dict[str, dict[str, str]]:
+    """``module -> {"A": tensor name, "B": tensor name}`` for every tensor of the adapter file, in name order.
+
+    Raises AdapterError: a tensor that replaces a whole module, one that is not a LoRA A/B weight,
+    one for a module the model does not have as an attention or MLP projection.
+    """
+    pairs: dict[str, dict[str, str]] = {}
     for name in sorted(tensors):
         module, _, part = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
         if part not in ("A.weight", "B.weight"):
@@ -278,53 +307,40 @@ def load_adapter(
                 "(minillm adapts q/k/v/o and the MLP projections only)."
             )
         pairs.setdefault(module, {})[part[0]] = name
+    return pairs
 
-    deltas = []
-    for module, ab in pairs.items():
-        if set(ab) != {"A", "B"}:
-            have = next(iter(ab.values()))
+
+def _delta(
+    file: Path, module: str, ab: dict, slot: tuple, weights: Weights, tensors: dict, expected_rank: int, scaling_for
+) -> LoraDelta:
+    """One module's :class:`LoraDelta`: its A ``[r, in]`` and B ``[rows, r]`` read as float32 after
+    their shapes are checked against the model's matrix (``slot``: layer, fused weight, rows).
+
+    Raises AdapterError: an A without its B (or the reverse), a shape that does not fit, unreadable data.
+    """
+    if set(ab) != {"A", "B"}:
+        have = next(iter(ab.values()))
+        raise AdapterError(
+            f"{file}: tensor {have!r} has no lora_{'B' if 'A' in ab else 'A'} partner; "
+            "the adapter file is incomplete. Re-save it."
+        )
+    layer, weight_name, rows = slot
+    w = getattr(weights.layers[layer], weight_name)  # [out, in]
+    in_dim, out_dim = w.shape[1], rows.stop - rows.start
+    a_t, b_t = tensors[ab["A"]], tensors[ab["B"]]
+    rank = a_t.shape[0] if len(a_t.shape) == 2 else -1
+    for t_name, t, expected in ((ab["A"], a_t, (expected_rank, in_dim)), (ab["B"], b_t, (out_dim, expected_rank))):
+        if tuple(t.shape) != expected:
             raise AdapterError(
-                f"{file}: tensor {have!r} has no lora_{'B' if 'A' in ab else 'A'} partner; "
-                "the adapter file is incomplete. Re-save it."
+                f"tensor {t_name!r} in {file} has shape {tuple(t.shape)}, expected {expected} "
+                f"(r={expected_rank}, module {in_dim} -> {out_dim}); the adapter was trained for another "
+                "base model (or another rank than adapter_config.json says)."
             )
-        layer, weight_name, rows = slots[module]
-        w = getattr(weights.layers[layer], weight_name)  # [out, in]
-        in_dim, out_dim = w.shape[1], rows.stop - rows.start
-        a_t, b_t = tensors[ab["A"]], tensors[ab["B"]]
-        rank = a_t.shape[0] if len(a_t.shape) == 2 else -1
-        expected_rank = _pattern_rank(module, rank_pattern, r)
-        for t_name, t, expected in ((ab["A"], a_t, (expected_rank, in_dim)), (ab["B"], b_t, (out_dim, expected_rank))):
-            if tuple(t.shape) != expected:
-                raise AdapterError(
-                    f"tensor {t_name!r} in {file} has shape {tuple(t.shape)}, expected {expected} "
-                    f"(r={expected_rank}, module {in_dim} -> {out_dim}); the adapter was trained for another "
-                    "base model (or another rank than adapter_config.json says)."
-                )
-        try:
-            a, b = a_t.to_float32(), b_t.to_float32()
-        except WeightsError as exc:
-            raise AdapterError(f"{file}: {exc}") from None
-        deltas.append(
-            LoraDelta(module=module, layer=layer, weight=weight_name, rows=rows, a=a, b=b, scaling=scaling_for(rank))
-        )  # [r, in], [rows, r]
-    if not deltas:
-        raise AdapterError(f"{file} holds no LoRA tensors; nothing to apply.")
-    deltas.sort(key=lambda delta: (delta.layer, delta.weight, delta.rows.start))
-    adapter = LoraAdapter(
-        name=folder.resolve().name,
-        path=folder,
-        rank=r,
-        alpha=alpha,
-        use_rslora=rslora,
-        scaling=scaling_for(r),
-        targets=sorted({delta.module.rsplit(".", 1)[-1] for delta in deltas}),
-        deltas=deltas,
-        base_model=cfg.get("base_model_name_or_path"),
-        fan_in_fan_out=bool(cfg.get("fan_in_fan_out")),
-    )
-    adapter.notes += _base_model_notes(adapter, model_names)
-    adapter.seconds = time.perf_counter() - t0
-    return adapter
+    try:
+        a, b = a_t.to_float32(), b_t.to_float32()
+    except WeightsError as exc:
+        raise AdapterError(f"{file}: {exc}") from None
+    return LoraDelta(module=module, layer=layer, weight=weight_name, rows=rows, a=a, b=b, scaling=scaling_for(rank))
 
 
 def _full_names(config: ModelConfig) -> set[str]:

@@ -25,6 +25,10 @@ blocks already in the pool reuses them: their reference count goes up, no keys a
 A block whose count falls to 0 stays in the pool, findable by its hash, until a new block is
 needed: the free list hands out the least recently freed block first (LRU eviction).
 
+A sequence's own view of the pool (its block table, length and ``KVCache``'s interface) is
+:class:`~minillm.model.paged_sequence.PagedSequence`, in ``paged_sequence.py``; every address it
+uses is computed here.
+
 The pool is sized in bytes (``kv_cache_mib``): ``num_blocks = floor(MiB * 2**20 / bytes_per_block)``
 with ``bytes_per_block = block_size * 2 (k, v) * n_layers * n_kv_heads * head_dim * 4``.
 """
@@ -36,8 +40,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from minillm.errors import InvalidRequestError, KVCacheFullError, KVCacheMismatchError
+from minillm.errors import InvalidRequestError, KVCacheFullError
 from minillm.model.config import ModelConfig, kv_bytes_per_token
+from minillm.model.paged_sequence import PagedSequence
 
 MIB = 2**20
 
@@ -143,6 +148,11 @@ class KVCachePool:
         """Store ``k``, ``v`` ``[n_kv_heads, n, head_dim]`` at pool ``slots`` ``[n]`` of ``layer``."""
         self.keys[layer][:, slots] = k
         self.values[layer][:, slots] = v
+
+    def read_slots(self, layer: int, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``layer``'s keys and values at pool ``slots`` ``[n]``, in that order: each
+        ``[n_kv_heads, n, head_dim]`` (copies: the blocks are scattered in the pool)."""
+        return self.keys[layer][:, slots], self.values[layer][:, slots]
 
     def gather(self, layer: int, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Every row's blocks of ``layer``'s keys and values, by block ``tables`` ``[g, blocks]``:
@@ -329,105 +339,6 @@ class KVCachePool:
             f"KVCachePool(blocks={self.num_used_blocks}/{self.num_blocks} used, block_size={self.block_size}, "
             f"cached prefixes={len(self.cached)}, nbytes={self.nbytes:,})"
         )
-
-
-class PagedSequence:
-    """One sequence's view of a :class:`KVCachePool`: its block table and ``length``.
-
-    It has :class:`~minillm.model.kv_cache.KVCache`'s interface (``length``, ``max_seq_len``,
-    ``check_room``, ``write``, ``advance``, ``reset``, sizes), so ``Transformer.forward`` and
-    ``forward_batch`` take it where they take a contiguous cache. ``identity``: bytes naming what
-    its keys and values depend on besides the token ids (the first block's hash starts from them).
-    """
-
-    def __init__(self, pool: KVCachePool, max_seq_len: int, identity: bytes = b""):
-        if max_seq_len <= 0:
-            raise InvalidRequestError(f"a sequence's max_seq_len must be positive, got {max_seq_len}.")
-        self.pool, self.max_seq_len, self.identity = pool, max_seq_len, identity
-        self.block_table: list[int] = []  # physical block of positions j*block_size .. (j+1)*block_size - 1
-        self.hashes: list[bytes] = []  # chained hashes of its full blocks, as registered
-        self.length = 0  # positions whose keys and values are in the pool
-        self.cached_tokens = 0  # positions reused from the prefix cache at the last allocation
-        self._slots = np.zeros(0, dtype=np.int64)
-
-    # --- sizes, as KVCache ---------------------------------------------------------------------------
-    num_layers = property(lambda self: self.pool.num_layers)
-    num_kv_heads = property(lambda self: self.pool.num_kv_heads)
-    head_dim = property(lambda self: self.pool.head_dim)
-    bytes_per_token = property(lambda self: self.pool.bytes_per_token)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the blocks this sequence holds (shared blocks counted in full)."""
-        return len(self.block_table) * self.pool.bytes_per_block
-
-    @property
-    def used_bytes(self) -> int:
-        return self.length * self.pool.bytes_per_token
-
-    @property
-    def free_positions(self) -> int:
-        return self.max_seq_len - self.length
-
-    # --- writing and reading -------------------------------------------------------------------------
-    def check_room(self, seq: int) -> None:
-        """Raise :class:`KVCacheFullError` unless ``seq`` more positions fit the window and the held blocks."""
-        if self.length + seq > self.max_seq_len:
-            raise KVCacheFullError(
-                f"this sequence holds at most {self.max_seq_len:,} positions, {self.length:,} are filled and "
-                f"{seq:,} more were asked for; lower max_new_tokens or shorten the prompt."
-            )
-        if self.length + seq > len(self.block_table) * self.pool.block_size:
-            raise KVCacheFullError(
-                f"this sequence holds {len(self.block_table)} blocks ({len(self.block_table) * self.pool.block_size} "
-                f"positions), {self.length:,} are filled and {seq:,} more were asked for; call pool.grow(seq, "
-                f"{seq}) first."
-            )
-
-    def check_compatible(self, config: ModelConfig) -> None:
-        """Raise :class:`KVCacheMismatchError` if the pool was built for another model's shape."""
-        want = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
-        have = (self.num_layers, self.num_kv_heads, self.head_dim)
-        if want != have:
-            raise KVCacheMismatchError(
-                f"this KV cache pool is shaped (layers, kv_heads, head_dim)={have} but the model needs "
-                f"{want}; build one with KVCachePool.for_model(model.config, kv_cache_mib)."
-            )
-
-    def slots(self, end: int) -> np.ndarray:
-        """Pool slots of positions ``0..end-1`` ``[end]`` int64: ``table[p // bs] * bs + p % bs``."""
-        if len(self._slots) != end:  # the same for every layer of one forward pass: computed once
-            self._slots = self.pool.slots(np.asarray(self.block_table, dtype=np.int64), np.arange(end))
-        return self._slots
-
-    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store ``k``, ``v`` ``[n_kv_heads, seq, head_dim]`` at positions ``length..length+seq-1``;
-        return this sequence's keys and values ``[n_kv_heads, length+seq, head_dim]``, gathered
-        from its blocks in position order (copies: the blocks are scattered in the pool)."""
-        slots = self.slots(self.length + k.shape[1])
-        keys, values = self.pool.keys[layer], self.pool.values[layer]  # [n_kv_heads, slots, head_dim]
-        keys[:, slots[self.length :]] = k
-        values[:, slots[self.length :]] = v
-        return keys[:, slots], values[:, slots]
-
-    def advance(self, seq: int) -> None:
-        """Mark ``seq`` more positions as filled (after every layer has written them)."""
-        self.length += seq
-
-    # --- lifecycle -----------------------------------------------------------------------------------
-    def truncate(self, length: int) -> None:
-        """Forget positions ``length..``, as ``KVCache.truncate``; whole tail blocks return to the pool
-        (:meth:`KVCachePool.truncate`)."""
-        self.pool.truncate(self, length)
-
-    def reset(self) -> None:
-        """Give every block back to the pool (cached prefixes stay findable until evicted)."""
-        self.pool.release(self)
-
-    free = reset
-
-    def __repr__(self) -> str:
-        return f"PagedSequence(length={self.length}/{self.max_seq_len}, blocks={self.block_table})"
 
 
 def check_block_size(block_size) -> None:

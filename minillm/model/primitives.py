@@ -166,7 +166,7 @@ def sliding_window_mask(seq: int, ctx: int, offset: int = 0, window: int = 4096)
         - - 0 0 0 -
         - - - 0 0 0
 
-    ``print(observe.describe.mask_picture(sliding_window_mask(6, 6, window=3)))`` draws the left one.
+    ``print(observe.pictures.mask_picture(sliding_window_mask(6, 6, window=3)))`` draws the left one.
     """
     query_pos = offset + np.arange(seq)[:, None]  # [seq, 1]
     key_pos = np.arange(ctx)[None, :]  # [1, ctx]

@@ -4,7 +4,8 @@ The runtime tells a listener *facts* (token ids, the sampler's probabilities, se
 reason) and hands it the :class:`~minillm.runtime.loading.Model` for context. These functions
 turn them into the plain data a :class:`~minillm.observe.events.TraceEvent` carries: pieces a
 person can read, the top candidates, the causal mask as a picture, the stop's sentence, the
-memory tables and the diagnosis. Nothing here runs unless someone listens.
+memory tables and the diagnosis (``describe_summary.py``; the pictures are ``pictures.py``'s).
+Nothing here runs unless someone listens.
 """
 
 from __future__ import annotations
@@ -15,20 +16,14 @@ import numpy as np
 
 from minillm.model.config import ModelConfig
 from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
-from minillm.observe import calibrate
-from minillm.observe.diagnosis import diagnose
-from minillm.observe.metrics import blas_summary, blas_threads, held_weight_table, kv_memory_table, weight_memory_table
+from minillm.observe.describe_summary import expectations, local_load_s, summary  # noqa: F401 (a phase, re-exported)
+from minillm.observe.metrics import blas_summary
+from minillm.observe.pictures import block_table_picture, mask_picture, pool_picture
 from minillm.runtime.sampling import top_candidates
 from minillm.runtime.stopping import StopReason
 
 MASK_GRID_MAX = 12  # draw the causal mask as a grid for prompts up to this many tokens
 CANDIDATES = 5  # candidates shown per step
-
-
-def mask_picture(mask: np.ndarray, visible: str = "0", hidden: str = "-") -> str:
-    """Draw an additive mask ``[seq, ctx]`` as text, one row per query: ``visible`` where a query
-    may look, ``hidden`` where not (the trace draws ``■`` and ``·``)."""
-    return "\n".join(" ".join(visible if v == 0 else hidden for v in row) for row in mask)
 
 
 def config_rows(config: ModelConfig) -> dict[str, Any]:
@@ -298,30 +293,6 @@ def batch_step(
     )
 
 
-def block_table_picture(tables: dict[int, list[int]], ref_count: list[int]) -> str:
-    """Each running request's block table, one line each; a block held by several requests is
-    marked ``*`` (a shared prefix)::
-
-        req 0 | 0* 1* 2 3
-        req 1 | 0* 1* 4
-    """
-    width = max((len(str(b)) for t in tables.values() for b in t), default=1)
-    return "\n".join(
-        f"req {r} | " + " ".join(f"{b:>{width}}" + ("*" if ref_count[b] > 1 else " ") for b in t).rstrip()
-        for r, t in tables.items()
-    )
-
-
-def pool_picture(ref_count: list[int], cached_free: set[int], per_line: int = 64) -> str:
-    """The pool, one character per block: ``#`` held by one request, ``2``-``9`` by that many
-    (shared), ``c`` free but still holding a cached prefix, ``.`` free and empty."""
-    chars = [
-        ("#" if n == 1 else str(min(n, 9))) if n else ("c" if b in cached_free else ".")
-        for b, n in enumerate(ref_count)
-    ]
-    return "\n".join("".join(chars[i : i + per_line]) for i in range(0, len(chars), per_line))
-
-
 def stop(model, reason: StopReason, condition, text: str, ends_inside_character: bool = False, **numbers) -> dict:
     """Why the request ended, in a sentence with its numbers (:func:`describe_stop`); and, when the
     last tokens are only the first bytes of a character, that the text ends in U+FFFD because of it."""
@@ -334,85 +305,3 @@ def stop(model, reason: StopReason, condition, text: str, ends_inside_character:
             "so the text ends in U+FFFD '\ufffd' (as the full decode does)"
         )
     return dict(reason=reason.value, condition=condition, text=text, detail=detail)
-
-
-def expectations(model, metrics) -> tuple[dict[str, float], dict[str, Any]]:
-    """What this request's phases should take on this machine (``calibrate.py``; the machine is
-    measured once, a few seconds, then read from the cache), and a note on the calibration."""
-    try:
-        sizes = calibrate.model_sizes(model)
-    except AttributeError:  # a stand-in model without weights (tests, scripted lessons): nothing to expect
-        return {}, {}
-    machine, measured_now = calibrate.machine_cached()
-    steps = len(metrics.decode_step_s)
-    context = metrics.prompt_tokens + (steps + 1) / 2  # mean positions a decode step reads
-    expected = {
-        "loading": calibrate.expected_load_s(model, machine),
-        "prefill": calibrate.expected_prefill_s(sizes, machine, metrics.prompt_tokens),
-        "prefill_one_token": calibrate.expected_prefill_s(sizes, machine, 1),
-        "decode": calibrate.expected_tpot_s(sizes, machine, context),
-    }
-    note = {
-        "measured_now": measured_now,
-        "seconds": machine.seconds,
-        "file": str(calibrate.calibration_file()),
-        "others_cpu_share": machine.others_cpu_share,
-        "busy": machine.busy,
-        "bandwidth_gb_s": machine.bandwidth_b_s / 1e9,
-        "gemm_gflop_s": machine.gemm_flop_s / 1e9,
-    }
-    return expected, note
-
-
-def local_load_s(model) -> float:
-    """Seconds of loading from local files: downloads, checks and conversions (first use) left out."""
-    fetch = {k for k in model.resolved.seconds if k not in ("total", "resolve")} if model.resolved else set()
-    return sum(v for k, v in model.load_seconds.items() if k not in fetch)
-
-
-def summary(
-    model, metrics, text: str, first_request: bool, others_cpu_share: float, load_others_cpu_share: float = float("nan")
-) -> dict[str, Any]:
-    """TTFT, TPOT, tokens/s, KV bytes, the memory tables, and the diagnosis: each phase measured
-    against what it should take on this machine."""
-    expected, calibration = expectations(model, metrics)
-    history = list(model.history) + [metrics.rates()]  # this request is added after the summary
-    weights = model.transformer.weights
-    formats = weights.formats() if hasattr(weights, "formats") else {}  # stand-in models have none
-    diagnosis = diagnose(
-        metrics,
-        expected=expected,
-        history=history,
-        weight_seconds=dict(getattr(model.transformer.weights, "seconds", {})),  # stand-in models have none
-        load_s=local_load_s(model),
-        warmup_s=model.warmup_s,
-        first_request=first_request,
-        text=text,
-        special_tokens=model.tokenizer.special_token_texts,
-        load_source=model.resolved.source if model.resolved else None,
-        blas_threads=blas_threads(),
-        others_cpu_share=others_cpu_share,
-        load_others_cpu_share=load_others_cpu_share,
-        held_formats=tuple(f for f in formats if f != "float32"),
-    )
-    params = model.transformer.weights.num_parameters
-    return dict(
-        load_s=model.load_s,
-        warmup_s=model.warmup_s,
-        **metrics.to_dict(),
-        others_cpu_share=others_cpu_share,
-        load_others_cpu_share=load_others_cpu_share,
-        parameters=params,
-        weight_bytes=weight_memory_table(params),
-        weights_held=held_weight_table(formats) if formats else {},
-        kv_bytes=kv_memory_table(model.config),
-        context=model.config.max_position_embeddings,
-        calibration=calibration,
-        diagnosis={
-            "dominant": diagnosis.dominant,
-            "phase_seconds": diagnosis.phase_seconds,
-            "checks": [[c.phase, c.measured_s, c.expected_s, c.ratio] for c in diagnosis.checks],
-            "threshold": diagnosis.threshold,
-            "findings": diagnosis.findings,
-        },
-    )

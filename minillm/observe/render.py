@@ -1,7 +1,8 @@
 """The rich renderer of trace events: what a student reads in a terminal or a notebook.
 
-Each phase has one small function. The streamed text shows in a rich ``Live`` view at the bottom
-of a terminal while the step lines print above it; piped output gets the text at the stop event.
+Each phase has one small function (the summary's tables are in ``render_summary.py``). The streamed
+text shows in a rich ``Live`` view at the bottom of a terminal while the step lines print above it;
+piped output gets the text at the stop event.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from minillm.observe.metrics import WEIGHT_FORMATS, bits_per_weight, format_bytes
+from minillm.observe.metrics import format_bytes
+from minillm.observe.render_summary import print_summary
 from minillm.observe.trace_event import TraceEvent
 
 #: A prompt's token table shows this many rows at each end unless verbosity is "full".
@@ -297,120 +299,7 @@ class Renderer:
         c.print(Text("output: ", style="bold") + Text(d["text"]))
 
     def _summary(self, e: TraceEvent) -> None:
-        c, m = self.console, e.data
-        rows = [
-            ("load", f"{m['load_s']:.2f} s"),
-            ("warm-up", "skipped" if m.get("warmup_s") is None else f"{m['warmup_s']:.2f} s"),
-            ("prompt tokens", f"{m['prompt_tokens']}"),
-            ("new tokens", f"{m['new_tokens']}"),
-            ("TTFT", f"{m['ttft_s'] * 1e3:.1f} ms"),
-            (
-                "TPOT mean / p50 / p90",
-                f"{m['tpot_s'] * 1e3:.1f} / {m['tpot_p50_s'] * 1e3:.1f} / {m['tpot_p90_s'] * 1e3:.1f} ms",
-            ),
-            ("prefill", f"{m['prefill_tokens_per_s']:,.0f} tokens/s"),
-            ("decode", f"{m['decode_tokens_per_s']:,.1f} tokens/s"),
-            ("total", f"{m['total_s']:.2f} s"),
-            (
-                "other processes' CPU",
-                "unknown"
-                if m["others_cpu_share"] != m["others_cpu_share"]  # NaN
-                else f"{m['others_cpu_share']:.0%} of the cores",
-            ),
-            *_speculative_rows(m),
-            ("KV cache per token", f"{format_bytes(m['kv_bytes_per_token'])} ({m.get('kv_dtype', 'float32')})"),
-            (
-                "KV cache this request",
-                f"{format_bytes(m['kv_bytes_used'])} used of {format_bytes(m['kv_bytes_reserved'])} reserved",
-            ),
-        ]
-        c.rule("[bold]summary")
-        table = Table(show_header=False, box=None, padding=(0, 2))
-        table.add_column(style="cyan")
-        table.add_column(justify="right")
-        for row in rows:
-            table.add_row(*row)
-        c.print(table)
-        if "weight_bytes" in m:
-            c.print(self._memory_table(m))
-        if m.get("weights_held"):
-            c.print(self._held_table(m["weights_held"]))
-        if "diagnosis" in m:
-            self._diagnosis(m["diagnosis"], m.get("calibration"))
-
-    @staticmethod
-    def _memory_table(m: dict) -> Table:
-        """What the weights would take in each format (real block sizes), and the KV cache per dtype."""
-        table = Table(
-            title=f"memory: {m['parameters']:,} parameters, context {m['context']:,}",
-            title_justify="left",
-            caption="* the KV dtype this request used",
-            caption_justify="left",
-            box=None,
-            padding=(0, 2),
-        )
-        for col in ("weights as", "bits", "bytes", "KV as", "per token", "full context"):
-            table.add_column(col, justify="left" if col in ("weights as", "KV as") else "right")
-        weights, kv = list(m["weight_bytes"].items()), list(m["kv_bytes"].items())
-        for i in range(max(len(weights), len(kv))):
-            w = ("", "", "")
-            if i < len(weights):
-                name, nbytes = weights[i]
-                w = (name, f"{bits_per_weight(WEIGHT_FORMATS[name]):.2f}", format_bytes(nbytes))
-            k = ("", "", "")
-            if i < len(kv):
-                name, (per_token, full) = kv[i]
-                in_use = name.split("+")[0] == m.get("kv_dtype", "float32")  # "int8+scale" is KVCache's "int8"
-                k = (f"{name} *" if in_use else name, format_bytes(per_token), format_bytes(full))
-            table.add_row(*w, *k)
-        return table
-
-    @staticmethod
-    def _held_table(held: dict) -> Table:
-        """The formats this model's weights are actually held in, at their real block sizes."""
-        table = Table(title="weights as held by this model", title_justify="left", box=None, padding=(0, 2))
-        for col in ("format", "weights", "bits / weight"):
-            table.add_column(col, justify="right" if col != "format" else "left")
-        rows = [(f, r) for f, r in held.items() if f != "total" or len(held) > 2]  # a total only for a mix
-        for fmt, row in rows:
-            table.add_row(fmt, format_bytes(row["bytes"]), f"{row['bits_per_weight']:.2f}")
-        return table
-
-    def _diagnosis(self, d: dict, calibration: dict | None = None) -> None:
-        c = self.console
-        threshold = d.get("threshold", 2.0)
-        c.print(f"[bold]diagnosis[/]: each phase against what this machine should take (slow above {threshold:g}x)")
-        table = Table(box=None, padding=(0, 2))
-        for col in ("phase", "measured", "expected", "ratio"):
-            table.add_column(col, justify="left" if col == "phase" else "right")
-        names = {"loading": "loading (local files)", "prefill": "TTFT (prefill)", "decode": "TPOT (decode)"}
-        for phase, measured, expected, ratio in d.get("checks", []):
-            slow = expected is not None and ratio > threshold
-            table.add_row(
-                names.get(phase, phase),
-                _seconds(measured),
-                "?" if expected is None else _seconds(expected),
-                "" if expected is None else Text(f"{ratio:.1f}x", style="bold red" if slow else "green"),
-            )
-        c.print(table)
-        if calibration:
-            share = calibration.get("others_cpu_share", float("nan"))
-            c.print(
-                f"[dim]expected from this machine's rates ({calibration['bandwidth_gb_s']:.1f} GB/s matrix-vector, "
-                f"{calibration['gemm_gflop_s']:.0f} GFLOP/s GEMM"
-                + ("" if share != share else f"; others used {share:.0%} of the cores while measuring")
-                + (f"; measured just now in {calibration['seconds']:.1f} s" if calibration.get("measured_now") else "")
-                + ("; on a busy machine: not kept, the next run measures again" if calibration.get("busy") else "")
-                + "; `minillm calibrate` redoes it)[/]"
-            )
-        if not d["findings"]:
-            c.print(f"[bold green]healthy[/]: every phase within {threshold:g}x of what this machine should take")
-        for _phase, symptom, points_to in d["findings"]:
-            c.print(f"  [bold]{escape(symptom)}[/] -> {escape(points_to)}")
-
-
-def _seconds(s: float) -> str:
-    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+        print_summary(self.console, e.data)
 
 
 def _held(w: dict) -> str:
@@ -419,23 +308,3 @@ def _held(w: dict) -> str:
     held = w.get("held") or {"float32": [w["parameters"], w["bytes_loaded"]]}
     parts = [f"{fmt} {format_bytes(nbytes)}" for fmt, (_, nbytes) in sorted(held.items(), key=lambda kv: -kv[1][1])]
     return parts[0] if len(parts) == 1 else " + ".join(parts) + f" = {format_bytes(w['bytes_loaded'])}"
-
-
-def _speculative_rows(m: dict) -> list[tuple[str, str]]:
-    """The summary's speculative rows: acceptance rate α, tokens per pass, and what the formula
-    ``(1 - α^(k+1)) / (1 - α)`` predicts for passes that verified drafts, at ``k`` the drafts per
-    verifying pass on average (adaptive k moves below its most)."""
-    if not m.get("drafted_tokens"):
-        return []
-    alpha, most, steps = m["acceptance_rate"], m.get("speculative_k", 0), m["verify_steps"]
-    k = m["drafted_tokens"] / steps
-    formula = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    per_verify = (m["accepted_tokens"] + steps) / steps
-    return [
-        (
-            "speculative",
-            f"{m['accepted_tokens']}/{m['drafted_tokens']} drafts kept (α {alpha:.2f}), "
-            f"k {k:.1f} per verify (at most {most})",
-        ),
-        ("tokens per pass", f"{m['tokens_per_pass']:.2f} overall, {per_verify:.2f} per verify (formula {formula:.2f})"),
-    ]

@@ -173,6 +173,27 @@ def generate_batch(
         KVCachePoolTooSmall: a request needs more blocks than the whole pool (refused before any
             model work).
     """
+    requests = _batch_requests(model, prompts, params, max_new_tokens, per_prompt, pool, block_size, options)
+    if pool is None:
+        pool = _pool_for(model, requests, kv_cache_mib, block_size)
+    scheduler = Scheduler(
+        model, pool, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, listener=tracer
+    )
+    for r in requests:
+        scheduler.add(r)  # refuses a request the pool could never hold, before any model work
+    try:
+        while scheduler.has_work():
+            scheduler.step()
+    except KeyboardInterrupt:  # Ctrl-C: every unfinished request ends cancelled, its blocks freed
+        scheduler.cancel_all("KeyboardInterrupt (Ctrl-C)")
+    finally:
+        for r in (*scheduler.running, *scheduler.waiting):  # an error mid-step: give the blocks back
+            r.seq.reset()
+    return [r.result for r in requests]
+
+
+def _batch_requests(model, prompts, params, max_new_tokens, per_prompt, pool, block_size, options) -> list:
+    """One :class:`BatchRequest` per prompt, its arguments checked (``generate_batch``'s, same errors)."""
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
         raise InvalidRequestError(
             f"generate_batch takes a list of prompts, got {type(prompts).__name__}; for one prompt pass [prompt] "
@@ -198,27 +219,19 @@ def generate_batch(
         BatchRequest(model, prompt, p, pool=pool, index=j, max_new_tokens=m, listener=None, **{**options, **extra})
         for j, (prompt, p, m, extra) in enumerate(zip(prompts, params_list, budgets, overrides, strict=True))
     ]
-    if pool is None:  # sized from the requests: their windows, all at once
-        if kv_cache_mib is None:
-            blocks = sum(-(-r.positions_needed // block_size) for r in requests)
-            kv_cache_mib = blocks * block_size * model.config.kv_bytes_per_token() / MIB
-        pool = KVCachePool.for_model(model.config, kv_cache_mib, block_size)
-        for r in requests:  # the sequences were made before the pool's size was known
-            r.seq.pool = r.pool = pool
-    scheduler = Scheduler(
-        model, pool, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, listener=tracer
-    )
+    return requests
+
+
+def _pool_for(model: Model, requests: list, kv_cache_mib: float | None, block_size: int) -> KVCachePool:
+    """A pool of ``kv_cache_mib`` MiB, by default sized from the requests (their windows, all at once),
+    handed to each request's sequence (made before the pool's size was known)."""
+    if kv_cache_mib is None:
+        blocks = sum(-(-r.positions_needed // block_size) for r in requests)
+        kv_cache_mib = blocks * block_size * model.config.kv_bytes_per_token() / MIB
+    pool = KVCachePool.for_model(model.config, kv_cache_mib, block_size)
     for r in requests:
-        scheduler.add(r)  # refuses a request the pool could never hold, before any model work
-    try:
-        while scheduler.has_work():
-            scheduler.step()
-    except KeyboardInterrupt:  # Ctrl-C: every unfinished request ends cancelled, its blocks freed
-        scheduler.cancel_all("KeyboardInterrupt (Ctrl-C)")
-    finally:
-        for r in (*scheduler.running, *scheduler.waiting):  # an error mid-step: give the blocks back
-            r.seq.reset()
-    return [r.result for r in requests]
+        r.seq.pool = r.pool = pool
+    return pool
 
 
 def _per_prompt(name: str, value, n: int, kind: type) -> list:

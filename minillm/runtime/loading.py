@@ -92,43 +92,37 @@ def load(
     chosen = kernels_named(kernels)
     set_blas_threads(threads)
     check_weight_dtype(weight_dtype, adapters=bool(adapters), merge_adapters=merge_adapters)
-    if mmap and adapters and merge_adapters:
-        raise InvalidRequestError(
-            "mmap=True leaves the weights as read-only views of the file, so adapters cannot be merged "
-            "into them; pass merge_adapters=False (computed beside the weights) or load without mmap."
-        )
-    if mmap and weight_dtype != "float32":
-        raise InvalidRequestError(
-            f"mmap=True maps the file's own float32 bytes, so it cannot hold them as {weight_dtype!r}; "
-            "pass weight_dtype='float32' or load without mmap."
-        )
+    check_mmap(mmap, weight_dtype, adapters=bool(adapters), merge_adapters=merge_adapters)
     t0 = time.perf_counter()
     name = name_or_path if name_or_path is not None else default_model_name()
+    model, duration = _build_model(
+        name, chosen, t0, progress, weight_dtype, mmap, adapters or [], merge_adapters, threads
+    )
+    if tracer is not None:
+        tracer.on_event("load", t0, duration, model, {"seconds": model.load_seconds})
+    if warmup:
+        run_warmup(model, tracer=tracer)
+    return model
+
+
+def _build_model(name, kernels: Kernels, t0: float, progress, weight_dtype, mmap, adapters, merge_adapters, threads):
+    """``(Model, seconds since t0)``: the model resolved, its weights read and held, its tokenizer and
+    its transformer built, each step's seconds in ``Model.load_seconds``."""
     resolved = resolve_model(name, progress=progress)
     t1 = time.perf_counter()
-    config = ModelConfig.from_folder(resolved.path)
-    if weight_dtype == "gguf":
-        weights = load_gguf_weights(resolve_gguf(name, progress=progress), config)
-    else:
-        weights = load_weights(resolved.path, config, mmap=mmap)
-    t2 = time.perf_counter()
-    loaded = _load_adapters(adapters or [], merge_adapters, config, weights, resolved)
-    if weight_dtype in ("bfloat16", "int8"):  # after merging: adapters fold into float32 rows first
-        t = time.perf_counter()
-        hold_weights(weights, weight_dtype)
-        weights.seconds["hold " + weight_dtype] = time.perf_counter() - t
-    ta = time.perf_counter()
-    tokenizer = Tokenizer.from_folder(resolved.path)
+    config, weights, loaded, weights_s = _read_weights(
+        name, resolved, weight_dtype, mmap, progress, adapters, merge_adapters
+    )
     t3 = time.perf_counter()
-    transformer = Transformer(config, weights, chosen)
+    tokenizer = Tokenizer.from_folder(resolved.path)
     t4 = time.perf_counter()
-    # Seconds per step: what resolving did (fetch / verify / extract / convert, when it ran), then
-    # reading the weights, laying them out, the tokenizer, and allocating the model's tables.
-    fetch_steps = {k: v for k, v in resolved.seconds.items() if k not in ("total", "resolve")}
-    seconds = {"resolve": max(0.0, (t1 - t0) - sum(fetch_steps.values())), **fetch_steps}
-    seconds.update({"config + weights": t2 - t1, "tokenizer": t3 - ta, "allocate": t4 - t3})
+    transformer = Transformer(config, weights, kernels)
+    t5 = time.perf_counter()
+    seconds = _step_seconds(
+        resolved, t1 - t0, {"config + weights": weights_s[0], "tokenizer": t4 - t3, "allocate": t5 - t4}
+    )
     if loaded:
-        seconds["adapters"] = ta - t2
+        seconds["adapters"] = weights_s[1]
     model = Model(
         resolved.name,
         resolved.path,
@@ -140,11 +134,50 @@ def load(
         adapters=loaded,
         threads=threads,
     )
-    if tracer is not None:
-        tracer.on_event("load", t0, t4 - t0, model, {"seconds": seconds})
-    if warmup:
-        run_warmup(model, tracer=tracer)
-    return model
+    return model, t5 - t0
+
+
+def _read_weights(
+    name, resolved: ResolvedModel, weight_dtype: str, mmap: bool, progress: bool, adapters, merge_adapters
+):
+    """``(config, weights, adapters loaded, (seconds of config + weights, seconds of adapters + holding))``:
+    the config, the weights read (a GGUF's packed blocks for ``"gguf"``), the adapters merged or
+    kept apart, then the matrices held at ``weight_dtype`` (after merging: adapters fold into float32 rows)."""
+    t1 = time.perf_counter()
+    config = ModelConfig.from_folder(resolved.path)
+    if weight_dtype == "gguf":
+        weights = load_gguf_weights(resolve_gguf(name, progress=progress), config)
+    else:
+        weights = load_weights(resolved.path, config, mmap=mmap)
+    t2 = time.perf_counter()
+    loaded = _load_adapters(adapters, merge_adapters, config, weights, resolved)
+    if weight_dtype in ("bfloat16", "int8"):
+        t = time.perf_counter()
+        hold_weights(weights, weight_dtype)
+        weights.seconds["hold " + weight_dtype] = time.perf_counter() - t
+    return config, weights, loaded, (t2 - t1, time.perf_counter() - t2)
+
+
+def _step_seconds(resolved: ResolvedModel, resolve_s: float, local: dict[str, float]) -> dict[str, float]:
+    """Seconds per load step: what resolving did (fetch / verify / extract / convert, when it ran),
+    then the ``local`` steps (reading the weights, laying them out, the tokenizer, allocating)."""
+    fetch_steps = {k: v for k, v in resolved.seconds.items() if k not in ("total", "resolve")}
+    return {"resolve": max(0.0, resolve_s - sum(fetch_steps.values())), **fetch_steps, **local}
+
+
+def check_mmap(mmap: bool, weight_dtype: str, *, adapters: bool, merge_adapters: bool) -> None:
+    """Raises InvalidRequestError if ``mmap=True`` comes with adapters to merge (a read-only map
+    cannot be written) or with a ``weight_dtype`` other than float32 (a map is the file's float32 bytes)."""
+    if mmap and adapters and merge_adapters:
+        raise InvalidRequestError(
+            "mmap=True leaves the weights as read-only views of the file, so adapters cannot be merged "
+            "into them; pass merge_adapters=False (computed beside the weights) or load without mmap."
+        )
+    if mmap and weight_dtype != "float32":
+        raise InvalidRequestError(
+            f"mmap=True maps the file's own float32 bytes, so it cannot hold them as {weight_dtype!r}; "
+            "pass weight_dtype='float32' or load without mmap."
+        )
 
 
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8", "gguf")

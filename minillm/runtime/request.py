@@ -9,15 +9,22 @@ import time
 
 import numpy as np
 
-from minillm.errors import ContextWindowExceeded, InvalidRequestError
-from minillm.model.kv_cache import KV_DTYPES, KVCache
+from minillm.model.kv_cache import KVCache
 from minillm.runtime import constraint as constraint_module
 from minillm.runtime import sampling, steps
 from minillm.runtime.loading import Model
+from minillm.runtime.request_checks import check_arguments, check_kv_dtype, check_logit_bias, check_window
 from minillm.runtime.result import GenerationResult, RequestMetrics  # noqa: F401 (re-exported)
 from minillm.runtime.sampling import SamplingParams
 from minillm.runtime.speculative import Speculative, SpeculativeDecoder
-from minillm.runtime.stopping import OutputStream, StopCriteria, StopReason, cancel_check
+from minillm.runtime.stopping import (
+    OutputStream,
+    StopCriteria,
+    StopReason,
+    cancel_check,
+    validate_stop_strings,
+    validate_stop_token_ids,
+)
 from minillm.text.detokenize import IncrementalDetokenizer
 
 
@@ -108,60 +115,29 @@ class Request:
         prepared: tuple[str, np.ndarray, float] | None = None,
     ):
         spec = Speculative.of(speculative)  # checked before any model work
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise InvalidRequestError(
-                f"max_new_tokens must be >= 1, got {max_new_tokens!r} (a whole number of tokens)."
-            )
-        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
-            raise InvalidRequestError(f"timeout_s must be a number of seconds > 0 (or None), got {timeout_s!r}.")
+        check_arguments(max_new_tokens, timeout_s)
         self.kv_dtype = check_kv_dtype(kv_dtype, cache)
         self.model, self.listener, self.max_new_tokens = model, listener, max_new_tokens
         self.include_stop_string, self.timeout_s = include_stop_string, timeout_s
-        # The stop chain validates the stop arguments, before any model work.
-        self.output = OutputStream(
-            None, stop=stop, stop_token_ids=stop_token_ids, include_stop_string=include_stop_string
+        # The stop chain's arguments are checked before any model work; the chain is built below.
+        stop_options = dict(
+            stop=validate_stop_strings(stop),
+            stop_token_ids=validate_stop_token_ids(stop_token_ids),
+            include_stop_string=include_stop_string,
         )
         is_cancelled = cancel_check(cancel)
         self.params = params or sampling.GREEDY
-        if self.params.logit_bias and self.params.logit_bias[-1][0] >= model.config.vocab_size:
-            raise InvalidRequestError(
-                f"logit_bias names token id {self.params.logit_bias[-1][0]}, outside the vocabulary "
-                f"[0, {model.config.vocab_size}); use ids the model's tokenizer gives"
-            )
+        check_logit_bias(model, self.params)
         self.logprobs: list[dict] | None = None if self.params.top_logprobs is None else []
         self.constraint = None if constraint is None else constraint_module.ConstraintState(model, constraint)
         self.rng = rng if rng is not None else np.random.default_rng(self.params.seed)
         self.t0 = time.perf_counter()
         self.metrics = RequestMetrics()
         chat = steps.is_chat(prompt, chat)
-        if prepared is None:
-            text = steps.prompt_text(model, prompt, chat=chat)
-            self.prompt_ids = model.tokenizer.encode(text, add_special_tokens=not chat)  # [seq] int64
-            self.metrics.tokenize_s = time.perf_counter() - self.t0
-        else:
-            text, self.prompt_ids, self.metrics.tokenize_s = prepared
-        self.metrics.prompt_tokens = len(self.prompt_ids)
-        self._emit(
-            "prepare",
-            self.t0,
-            0.0,
-            chat=chat,
-            messages=prompt if isinstance(prompt, list) else ([{"role": "user", "content": prompt}] if chat else []),
-            text=text,
-        )
-        self._emit("tokenize", self.t0, self.metrics.tokenize_s, ids=self.prompt_ids)
-
-        context = model.config.max_position_embeddings
-        self.own_cache = cache is None
-        window = cache.max_seq_len if cache is not None else min(max_seq_len or context, context)
-        check_window(len(self.prompt_ids), window, context, by_cache=cache is not None or window < context)
-        if self.own_cache:
-            cache = self.new_cache(max_seq_len or min(context, len(self.prompt_ids) + max_new_tokens))
-        else:
-            cache.truncate(self.reusable(cache))  # emptied, unless a conversation's turn keeps a prefix
-        self.cache = cache
-        self.reused = self.metrics.cached_prompt_tokens = cache.length  # prefill feeds the prompt ids past these
-        self.window = cache.max_seq_len
+        self.prompt_ids = self._tokenize(prompt, chat, prepared)  # [seq] int64
+        self.cache = self._open_cache(cache, max_seq_len, max_new_tokens)
+        self.reused = self.metrics.cached_prompt_tokens = self.cache.length  # prefill feeds the prompt ids past these
+        self.window = self.cache.max_seq_len
         self.criteria = StopCriteria(
             eos_token_ids=model.tokenizer.eos_token_ids,
             max_new_tokens=max_new_tokens,
@@ -170,13 +146,42 @@ class Request:
         )
         # A completion continues the prompt's text: decode with its last tokens as context, so a
         # first token like '▁Paris' keeps its space. A chat answer is a fresh text: no context.
-        self.output.detokenizer = IncrementalDetokenizer(model.tokenizer, prompt_ids=None if chat else self.prompt_ids)
+        detokenizer = IncrementalDetokenizer(model.tokenizer, prompt_ids=None if chat else self.prompt_ids)
+        self.output = OutputStream(detokenizer, **stop_options)
         self.new_ids: list[int] = []
         self.seen = list(self.prompt_ids)  # the repetition penalty's "seen" ids: prompt + new ids
         self.stop_reason: StopReason | None = None
         self.condition = None
         self.spec = None if spec is None else SpeculativeDecoder(spec, model, self)
         self.metrics.speculative_k = 0 if spec is None else spec.num_tokens
+
+    def _tokenize(self, prompt: steps.Prompt, chat: bool, prepared) -> np.ndarray:
+        """Render (a chat) and tokenize the prompt, ``int64 [seq]``, unless the caller did already
+        (``prepared``: the text, its ids and the seconds it took; the server's worker sizes the
+        request by them); tell the listener both phases."""
+        if prepared is None:
+            text = steps.prompt_text(self.model, prompt, chat=chat)
+            ids = self.model.tokenizer.encode(text, add_special_tokens=not chat)  # [seq] int64
+            self.metrics.tokenize_s = time.perf_counter() - self.t0
+        else:
+            text, ids, self.metrics.tokenize_s = prepared
+        self.metrics.prompt_tokens = len(ids)
+        messages = prompt if isinstance(prompt, list) else ([{"role": "user", "content": prompt}] if chat else [])
+        self._emit("prepare", self.t0, 0.0, chat=chat, messages=messages, text=text)
+        self._emit("tokenize", self.t0, self.metrics.tokenize_s, ids=ids)
+        return ids
+
+    def _open_cache(self, cache: KVCache | None, max_seq_len: int | None, max_new_tokens: int) -> KVCache:
+        """The request's cache, after checking the prompt fits its window: a fresh one (``new_cache``),
+        or the given one emptied but for what :meth:`reusable` keeps. Raises ContextWindowExceeded."""
+        context, n_prompt = self.model.config.max_position_embeddings, len(self.prompt_ids)
+        self.own_cache = cache is None
+        window = cache.max_seq_len if cache is not None else min(max_seq_len or context, context)
+        check_window(n_prompt, window, context, by_cache=cache is not None or window < context)
+        if self.own_cache:
+            return self.new_cache(max_seq_len or min(context, n_prompt + max_new_tokens))
+        cache.truncate(self.reusable(cache))  # emptied, unless a conversation's turn keeps a prefix
+        return cache
 
     #: True: a given cache keeps what this request wrote when it ends (a conversation's turn), not emptied
     keeps_cache = False
@@ -387,45 +392,3 @@ class Request:
             self.logprobs,
             constraint_module.incomplete(self.constraint, reason, self.max_new_tokens),
         )
-
-
-def check_window(n_prompt: int, window: int, context: int, by_cache: bool) -> None:
-    """The prompt must leave room for at least one new token: ``n_prompt < window``.
-
-    Raises:
-        ContextWindowExceeded: with both numbers and the fix; ``cli_message`` names ``--max-seq-len``
-            where the message names the library's ``max_seq_len``.
-    """
-    if n_prompt < window:
-        return
-
-    def sentence(option: str) -> str:
-        fix = f", or pass a larger {option} (the model holds {context:,})" if by_cache else ""
-        return (
-            f"prompt is {n_prompt:,} tokens but the {'KV cache' if by_cache else 'model'} holds {window:,} "
-            f"positions, which leaves no room for a new token; shorten the prompt to at most {window - 1:,} "
-            f"tokens{fix}."
-        )
-
-    raise ContextWindowExceeded(sentence("max_seq_len"), cli_message=sentence("--max-seq-len"))
-
-
-def check_kv_dtype(kv_dtype: str | None, cache: KVCache | None) -> str:
-    """The KV dtype a request uses: ``kv_dtype``, else the given cache's, else ``"float32"``.
-
-    Raises:
-        InvalidRequestError: a dtype not in ``KV_DTYPES`` (naming the choices), or one that is not
-            the given cache's own.
-    """
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise InvalidRequestError(
-            f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r} (float16 halves the KV cache, "
-            "int8 stores a quarter plus a float32 scale per position and head)."
-        )
-    have = getattr(cache, "dtype", None) if cache is not None else None
-    if kv_dtype is not None and have is not None and kv_dtype != have:
-        raise InvalidRequestError(
-            f"kv_dtype={kv_dtype!r} but the cache passed holds {have}; pass kv_dtype={have!r} (or none), or a "
-            f"cache made with KVCache.for_model(config, dtype={kv_dtype!r})."
-        )
-    return kv_dtype or have or "float32"

@@ -11,7 +11,7 @@ Two kinds of condition:
       pieces   "AB"  "C"  "DEF"  "G"  "HI"  "J"        stop "DEFGHIJ"
       shown    "AB"  "C"   ""     ""   ""   ""  -> stop   (held "DEF".."DEFGHI", then cut)
 
-``request.OutputStream`` chains them for one request: generated ids -> stop-sequence hold ->
+``OutputStream`` chains them for one request (``request.Request`` holds one): generated ids -> stop-sequence hold ->
 incremental detokenizer -> stop-string hold -> the deltas a user sees.
 """
 
@@ -248,7 +248,7 @@ class OutputStream:
 
     Args:
         detokenizer: an :class:`~minillm.text.detokenize.IncrementalDetokenizer` (``add(id) -> str``,
-            ``flush() -> str``); may be set after construction, before the first :meth:`add`.
+            ``flush() -> str``).
         stop: stop strings; ``stop_token_ids``: id sequences.
         include_stop_string: show the matched stop string (or the stop sequence's text).
 

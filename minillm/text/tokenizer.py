@@ -25,17 +25,15 @@ import json
 import re
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import tokenizers
 
 from minillm.errors import ChatTemplateError, InvalidRequestError, TokenizerError
 from minillm.text.chat_template import ChatTemplate, ChatText, compile_chat_template, render_chat_template
+from minillm.text.pieces import VISIBLE, piece_bytes, uses
+from minillm.text.tokenizer_folder import read_tokenizer_folder
 
-# How piece_for_display makes invisible characters visible.
-_VISIBLE = str.maketrans({" ": "␣", "\n": "↵", "\t": "⇥", "\r": "␍"})
-_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte-fallback token
 _SURROGATE = re.compile("[\ud800-\udfff]")  # half of a UTF-16 pair: not a character, has no UTF-8
 
 
@@ -53,63 +51,6 @@ def check_encodable(text: str, what: str = "the text") -> None:
             f"(around {text[max(i - 10, 0) : i + 10]!r}); it is half of a UTF-16 pair, not a character, and has "
             "no UTF-8 bytes. Remove it, or clean the text with text.encode('utf-8', 'replace').decode()"
         )
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (byte-level BPE writes every byte as a char).
-
-    Printable bytes map to themselves; the rest (space, newline, control bytes, ...) are shifted
-    to 256+, which is why a space shows up as 'Ġ' (256 + 32) and a newline as 'Ċ' (256 + 10).
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_BYTE_LEVEL_DECODER = {ch: b for b, ch in _bytes_to_unicode().items()}
-
-
-def _token_content(value: Any) -> str | None:
-    """tokenizer_config stores a special token as "text" or as {"content": "text", ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TokenizerError(f"{path} is not valid JSON ({exc}); re-download or re-convert the model folder") from exc
-    return data if isinstance(data, dict) else {}
-
-
-def _id_list(value: Any) -> list[int]:
-    """eos_token_id in config files is an int, a list of ints, or missing."""
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
-
-
-def _uses(node: Any, kind: str) -> bool:
-    """True if a tokenizer.json component (possibly a Sequence of them) has type ``kind``."""
-    if isinstance(node, dict):
-        return node.get("type") == kind or any(_uses(v, kind) for v in node.values())
-    if isinstance(node, list):
-        return any(_uses(v, kind) for v in node)
-    return False
 
 
 class Tokenizer:
@@ -165,7 +106,7 @@ class Tokenizer:
         self._backend_special_ids = frozenset(i for i, t in self._added.items() if t.special)
 
         spec = json.loads(backend.to_str())
-        self._byte_level = _uses(spec.get("decoder"), "ByteLevel") or _uses(spec.get("pre_tokenizer"), "ByteLevel")
+        self._byte_level = uses(spec.get("decoder"), "ByteLevel") or uses(spec.get("pre_tokenizer"), "ByteLevel")
 
     # --- loading --------------------------------------------------------------------------------
     @classmethod
@@ -178,44 +119,8 @@ class Tokenizer:
 
         Raises TokenizerError if the folder or tokenizer.json is missing or unreadable.
         """
-        folder = Path(path)
-        file = folder / "tokenizer.json"
-        if not file.is_file():
-            raise TokenizerError(
-                f"no tokenizer.json in {folder}; minillm needs the Hugging Face 'fast' tokenizer file. "
-                "Download it with the model, or convert a GGUF with minillm.gguf_import"
-            )
-        try:
-            backend = tokenizers.Tokenizer.from_file(str(file))
-        except Exception as exc:  # the Rust side raises plain Exception
-            raise TokenizerError(f"cannot read {file}: {exc}; re-download or re-convert the model folder") from exc
-
-        cfg = _read_json(folder / "tokenizer_config.json")
-        # The special tokens a template sees by name (transformers' special_tokens_map).
-        names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
-        special = {name: _token_content(cfg.get(name)) for name in names}
-        extra = cfg.get("extra_special_tokens")
-        if isinstance(extra, dict):  # Gemma 3: boi_token, eoi_token, image_token
-            special.update({k: _token_content(v) for k, v in extra.items() if isinstance(k, str)})
-
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # several named templates: [{"name": "default", "template": ...}]
-            template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        if not template and (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-
-        eos: list[int] = []
-        for name in ("generation_config.json", "config.json"):
-            conf = _read_json(folder / name)
-            eos += _id_list(conf.get("eos_token_id"))
-            eos += _id_list(conf.get("text_config", {}).get("eos_token_id"))  # multimodal configs (Gemma 3)
-        return cls(
-            backend,
-            special_tokens=special,
-            extra_eos_ids=tuple(eos),
-            chat_template=template or None,
-            source=str(folder),
-        )
+        backend, keywords = read_tokenizer_folder(path)
+        return cls(backend, **keywords)
 
     def __repr__(self) -> str:
         return (
@@ -324,7 +229,7 @@ class Tokenizer:
         token_id = int(token_id)
         if token_id >= 0 and self.backend.id_to_token(token_id) is None:
             return f"<id {token_id}>"
-        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace").translate(_VISIBLE)
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace").translate(VISIBLE)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for: 'Ġcapital' -> b' capital', '<0xE5>' -> b'\\xe5', the
@@ -343,11 +248,7 @@ class Tokenizer:
             return piece.encode("utf-8")
         if token_id in self._added:  # added tokens hold plain text (Gemma's space runs: '▁▁▁')
             return piece.replace("▁", " ").encode("utf-8")
-        if m := _BYTE_PIECE.match(piece):
-            return bytes([int(m.group(1), 16)])
-        if self._byte_level and all(ch in _BYTE_LEVEL_DECODER for ch in piece):
-            return bytes(_BYTE_LEVEL_DECODER[ch] for ch in piece)
-        return piece.replace("▁", " ").encode("utf-8")
+        return piece_bytes(piece, self._byte_level)
 
     @cached_property
     def special_token_texts(self) -> tuple[str, ...]:

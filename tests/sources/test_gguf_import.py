@@ -435,7 +435,7 @@ def test_dequantizing_in_row_chunks_gives_the_bits_of_one_call(kind):
     are those of one ``gguf.quants.dequantize`` over the whole matrix, bit for bit, whatever the chunk."""
     import gguf
 
-    from minillm.sources.gguf_import import dequantize_rows
+    from minillm.sources.gguf_reader import dequantize_rows
 
     qtype = gguf.GGMLQuantizationType[kind]
     w = np.random.default_rng(0).standard_normal((1000, 64)).astype(np.float32)
