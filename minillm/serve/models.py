@@ -19,8 +19,7 @@ the same cores anyway. Only idle models are evicted, so a running stream is neve
 request for B waits in B's queue until A's requests end.
 
 The budget counts each loaded model's plan (``memory_plan.py``: weights, KV pool, activations,
-tokenizer) plus the runtime's own bytes once. ``--keep-alive -1`` never unloads an idle model
-for idleness; the budget may still evict it to make room.
+tokenizer) plus the runtime's own bytes once. ``--keep-alive -1``: idleness never unloads it (the budget may).
 """
 
 from __future__ import annotations
@@ -29,12 +28,11 @@ import gc
 import itertools
 import threading
 import time
-from dataclasses import dataclass
 
 import minillm
 from minillm.observe.events import TraceEvent
 from minillm.runtime.gguf_plan import gguf_weight_bytes
-from minillm.runtime.loading import WEIGHT_DTYPES, run_warmup
+from minillm.runtime.loading import run_warmup
 from minillm.runtime.memory_plan import (
     MIB,
     MemoryPlan,
@@ -48,28 +46,11 @@ from minillm.runtime.scheduler import Scheduler
 
 from .events import EventBus
 from .metrics import LATENCY_BUCKETS, ServerMetrics
+from .model_spec import ModelSpec, gguf_file
 from .reliability import Guard
 from .worker import Job, Worker
 
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "minillm.serve.app")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A served model: ``served`` (the name clients pass), ``source`` (for ``minillm.load``), ``weight_dtype``."""
-
-    served: str
-    source: str
-    weight_dtype: str
-
-    @classmethod
-    def parse(cls, text: str, default_dtype: str = "float32") -> ModelSpec:
-        """``"smollm2-135m-instruct:int8"`` -> that model held at int8; a name without a known
-        ``:DTYPE`` suffix is all name (a folder may contain ':')."""
-        head, _, tail = text.rpartition(":")
-        if head and tail in WEIGHT_DTYPES:
-            return cls(text, head, tail)
-        return cls(text, text, default_dtype)
 
 
 class ModelSlot(Worker):
@@ -220,7 +201,7 @@ class ModelRegistry:
         o = self.options
         for spec in self.specs:
             config = ModelConfig.from_folder(folders[spec.served])
-            packed = gguf_weight_bytes(_gguf_file(spec.source), config) if spec.weight_dtype == "gguf" else None
+            packed = gguf_weight_bytes(gguf_file(spec.source), config) if spec.weight_dtype == "gguf" else None
             plan = make_plan(
                 config, model=spec.served, weight_dtype=spec.weight_dtype, context=o.get("max_seq_len"),
                 max_num_seqs=o.get("max_num_seqs", 16), max_batched_tokens=o.get("max_batched_tokens", 512),
@@ -413,14 +394,6 @@ class ModelRegistry:
             for kind in ("weights", "kv_pool"):
                 gauge = self._resident.labels(model=spec.served, kind=kind)
                 gauge.set_function(lambda n=spec.served, k=kind: self.slots[n].resident[k] if n in self.slots else 0)
-
-
-def _gguf_file(source: str):
-    """The model's GGUF file for a ``:gguf`` plan: its header sizes the packed weights (the cached
-    file, else fetched as the load would fetch it: ``sources.hub.resolve_gguf``)."""
-    from minillm.sources.hub import resolve_gguf
-
-    return resolve_gguf(source, progress=True)
 
 
 _trim_heap = trim_heap  # a load's temporaries and a freed tokenizer's small objects leave the resident set
