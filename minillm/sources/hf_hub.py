@@ -44,14 +44,14 @@ def _hub_errors() -> tuple[type[BaseException], ...]:
     return (*kinds, ConnectionError, TimeoutError)
 
 
-def fetch_hub(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, notes: list) -> str | None:
-    """Fetch the hub files into ``tmp``; return a one-line origin, or None (with a note) to fall through."""
+def hub_snapshot(src, files: list[str], progress: bool) -> tuple[Path | None, bool, str]:
+    """``snapshot_download`` of ``files`` of the manifest's hub source ``src`` (repo at its
+    revision): ``(snapshot folder or None, local_only, why)``, ``why`` saying why only the local HF
+    cache was searched, or what failed. Reads HF_HUB_OFFLINE, HF_HUB_CACHE/HF_HOME, HF_ENDPOINT now
+    (huggingface_hub reads them once, at import, so a late setenv would not count)."""
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-    hub, t = entry.hub, time.perf_counter()
-    where = f"{hub.repo}@{hub.revision[:12]}"
-    # huggingface_hub reads these variables once, at import; read them now so a late setenv counts.
     local_only = _env_flag("HF_HUB_OFFLINE")
     cache = (
         os.environ.get("HF_HUB_CACHE")
@@ -64,31 +64,38 @@ def fetch_hub(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, notes
         # One quick request first: for a commit revision snapshot_download lists the repo with
         # retries and back-off (about 23 s when the network is down); etag_timeout does not apply.
         try:
-            HfApi(endpoint=endpoint).repo_info(hub.repo, revision=hub.revision, timeout=HUB_ETAG_TIMEOUT)
+            HfApi(endpoint=endpoint).repo_info(src.repo, revision=src.revision, timeout=HUB_ETAG_TIMEOUT)
         except _hub_errors() as exc:
             local_only, why = True, f"hub unreachable: {_first_line(exc)}"
     bars_were_off = are_progress_bars_disabled()
     if not progress:
         disable_progress_bars()
     try:
-        snapshot = Path(
-            snapshot_download(
-                hub.repo,
-                revision=hub.revision,
-                allow_patterns=list(hub.files),
-                etag_timeout=HUB_ETAG_TIMEOUT,
-                local_files_only=local_only,
-                cache_dir=cache or None,
-                endpoint=endpoint,
-            )
+        folder = snapshot_download(
+            src.repo,
+            revision=src.revision,
+            allow_patterns=list(files),
+            etag_timeout=HUB_ETAG_TIMEOUT,
+            local_files_only=local_only,
+            cache_dir=cache or None,
+            endpoint=endpoint,
         )
+        return Path(folder), local_only, why
     except _hub_errors() as exc:
-        searched = f"{why}; no complete copy in the local HF cache" if local_only else _first_line(exc)
-        notes.append(f"hub {where} unavailable ({searched})")
-        return None
+        return None, local_only, f"{why}; no complete copy in the local HF cache" if local_only else _first_line(exc)
     finally:
         if not progress and not bars_were_off:
             enable_progress_bars()
+
+
+def fetch_hub(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, notes: list) -> str | None:
+    """Fetch the hub files into ``tmp``; return a one-line origin, or None (with a note) to fall through."""
+    hub, t = entry.hub, time.perf_counter()
+    where = f"{hub.repo}@{hub.revision[:12]}"
+    snapshot, local_only, why = hub_snapshot(hub, list(hub.files), progress)
+    if snapshot is None:
+        notes.append(f"hub {where} unavailable ({why})")
+        return None
     if local_only:
         notes.append(f"hub {where}: {why}; using the local HF cache")
     # Offline, snapshot_download returns a cached snapshot folder even when it lacks files.
@@ -97,7 +104,7 @@ def fetch_hub(entry: ModelEntry, tmp: Path, progress: bool, seconds: dict, notes
         notes.append(f"hub {where}: the snapshot {snapshot} lacks {', '.join(missing)}")
         return None
     for f in hub.files:
-        _link_or_copy(snapshot / f, tmp / f)
+        link_or_copy(snapshot / f, tmp / f)
     seconds["fetch"] = time.perf_counter() - t
     t = time.perf_counter()
     for f, want in hub.sha256.items():
@@ -119,7 +126,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
+def link_or_copy(src: Path, dst: Path) -> None:
     # HF snapshots hold symlinks into blobs/; a hard link to the blob shares its bytes, and keeps
     # them if the HF cache is cleaned. Across file systems, copy.
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -53,38 +53,16 @@ def plan_folder(name_or_path: str | os.PathLike) -> Path | None:
 def _hub_files(entry) -> Path | None:
     """The hub source's files but the weights, into ``<cache>/plan/<name>``; None if the hub (and the
     local HF cache) cannot give them."""
-    from huggingface_hub import HfApi, snapshot_download
+    from minillm.sources.hf_hub import hub_snapshot, link_or_copy
 
-    src = entry.hub
-    wanted = [f for f in src.files if not f.endswith(WEIGHT_SUFFIXES)]
-    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
-    if not cache and os.environ.get("HF_HOME"):
-        cache = os.path.join(os.environ["HF_HOME"], "hub")
-    local_only = hub._env_flag("HF_HUB_OFFLINE")
-    endpoint = os.environ.get("HF_ENDPOINT") or None
-    if not local_only:  # one quick request first (as hub.py): a hub that is down fails in seconds
-        try:
-            HfApi(endpoint=endpoint).repo_info(src.repo, revision=src.revision, timeout=hub.HUB_ETAG_TIMEOUT)
-        except hub._hub_errors():
-            local_only = True
-    try:
-        snapshot = Path(
-            snapshot_download(
-                src.repo,
-                revision=src.revision,
-                allow_patterns=wanted,
-                etag_timeout=hub.HUB_ETAG_TIMEOUT,
-                local_files_only=local_only,
-                cache_dir=cache or None,
-                endpoint=endpoint,
-            )
-        )
-    except hub._hub_errors():
+    wanted = [f for f in entry.hub.files if not f.endswith(WEIGHT_SUFFIXES)]
+    snapshot, _, _ = hub_snapshot(entry.hub, wanted, progress=False)
+    if snapshot is None:
         return None
     if not (snapshot / "config.json").is_file():
         return None
     out = hub.cache_root() / "plan" / entry.name
     for f in wanted:
         if (snapshot / f).is_file() and not (out / f).exists():
-            hub._link_or_copy(snapshot / f, out / f)
+            link_or_copy(snapshot / f, out / f)
     return out
