@@ -166,6 +166,13 @@ def add_openai_sampling_args(p: argparse.ArgumentParser) -> None:
         metavar="ID=BIAS",
         help="add BIAS in [-100, 100] to token ID's logit, e.g. 28=-100 bans ',' (repeatable)",
     )
+    p.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after the answer, each new token's log-probability and the N (0-20) most likely alternatives",
+    )
     how = p.add_mutually_exclusive_group()
     how.add_argument("--json-schema", metavar="JSON|PATH", help="the output is JSON valid against this schema")
     how.add_argument("--regex", metavar="PATTERN", help="the whole output matches PATTERN")

@@ -178,6 +178,8 @@ def run_request(args: argparse.Namespace, console: Console) -> int:
     result = results[0]
     if args.verbosity == "quiet":
         sys.stdout.write("\n")
+    if result.logprobs is not None:  # on stderr when stdout carries the trace's JSON lines
+        print_logprobs(console if args.trace != "json" else Console(stderr=True), model.tokenizer, result.logprobs)
     if args.trace == "json":
         sys.stdout.write(tracer.to_jsonl())
     if args.trace_json:
@@ -190,3 +192,21 @@ def run_request(args: argparse.Namespace, console: Console) -> int:
         )
         return 130
     return 0
+
+
+def print_logprobs(console: Console, tokenizer, logprobs: list[dict]) -> None:
+    """``--top-logprobs N``: one row per new token, its log-probability (natural log, of the
+    distribution it was drawn from, as OpenAI's ``logprobs``) and the N most likely alternatives."""
+    from rich.table import Table
+
+    def piece(i: int) -> str:
+        return repr(tokenizer.decode([i]))
+
+    table = Table(title="logprobs", box=None, padding=(0, 1))
+    for column, justify in (("step", "right"), ("token", "left"), ("id", "right"), ("logprob", "right")):
+        table.add_column(column, justify=justify)
+    table.add_column("alternatives (logprob)")
+    for step, lp in enumerate(logprobs):
+        top = ", ".join(f"{piece(i)} {v:.3f}" for i, v in lp["top"])
+        table.add_row(str(step), piece(lp["id"]), str(lp["id"]), f"{lp['logprob']:.4f}", top)
+    console.print(table)

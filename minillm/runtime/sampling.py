@@ -118,11 +118,12 @@ class SamplingParams:
     def from_fields(cls, source: object) -> SamplingParams:
         """The params named by ``source``'s attributes of the same names (a CLI's parsed arguments, an
         HTTP request's body): ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``,
-        ``seed``, and if present ``frequency_penalty``, ``presence_penalty``, ``logit_bias`` (None: none).
+        ``seed``, and if present ``frequency_penalty``, ``presence_penalty``, ``logit_bias``, ``top_logprobs``
+        (None: none).
         Raises SamplingParamsError as the constructor does."""
         names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
         fields = {name: getattr(source, name) for name in names}
-        for name in ("frequency_penalty", "presence_penalty", "logit_bias"):
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias", "top_logprobs"):
             if getattr(source, name, None) is not None:
                 fields[name] = getattr(source, name)
         return cls(**fields)

@@ -70,3 +70,21 @@ def test_run_and_chat_follow_the_bias_and_the_schema(smollm2, monkeypatch, capsy
     assert main(["chat", "Name a fruit and a count, as JSON.", "--json-schema", json.dumps(schema), "-n", "40",
                  "-t", "1", "--seed", "0", "-v", "quiet"]) == 0
     jsonschema.validate(json.loads(capsys.readouterr().out), schema)
+
+
+def test_top_logprobs_prints_each_tokens_logprob_and_its_alternatives(smollm2, monkeypatch, capsys):
+    """--top-logprobs N: after the answer, one row per new token with the numbers generate gives."""
+    monkeypatch.setattr(minillm, "load", lambda *args, **kwargs: smollm2)
+    assert SamplingParams.from_fields(parse("--top-logprobs", "2")).top_logprobs == 2
+    assert main(["run", "The capital of France is", "-n", "3", "--top-logprobs", "2", "-v", "quiet"]) == 0
+    out = capsys.readouterr().out
+    want = minillm.generate(smollm2, "The capital of France is", SamplingParams(temperature=0.0, top_logprobs=2),
+                            max_new_tokens=3)
+    assert out.startswith(want.text + "\n")
+    rows = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r.split()[0]) for r in rows] == [0, 1, 2]
+    for row, lp in zip(rows, want.logprobs):
+        assert f" {lp['id']} " in row and f" {lp['logprob']:.4f} " in row
+        assert len(lp["top"]) == 2 and all(f" {v:.3f}" in row for _, v in lp["top"])
+    assert main(["run", "Hi", "--top-logprobs", "21", "-v", "quiet"]) == 2
+    assert "top_logprobs must be None or a whole number in [0, 20]" in " ".join(capsys.readouterr().err.split())
