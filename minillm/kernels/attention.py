@@ -5,21 +5,11 @@ L2 cache, and half of them masked. :func:`attention_in_chunks` takes ``ATTENTION
 at a time over only the keys they can see. ``TunedKernels.attention`` uses it above that many rows
 when no intermediates are captured (capture needs the whole pattern, which only the one-call form
 has); ``python -m benchmarks.speed`` times the prefill either way.
-
-With more than one BLAS thread, :func:`attention_in_threads` spreads the same chunks, one kv head
-at a time, over that many Python threads, with BLAS on one thread meanwhile: NumPy releases the
-GIL inside its ufunc loops and BLAS calls, so the elementwise work between the products (the mask,
-the max, the exponential, the division) runs on every core instead of one.
 """
 
 from __future__ import annotations
 
-import functools
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
-
-from minillm.kernels import products
 
 #: Query rows per chunk in :func:`attention_in_chunks` (prefill): 128 rows' scores for 9 heads over
 #: 512 keys are 2.4 MB, near the L2 cache, instead of 9.4 MB for all 512 rows at once.
@@ -71,82 +61,4 @@ def attention_in_chunks(
         weighted = (scores @ v[:, :end]).reshape(n_kv_heads, group, b - a, head_dim)  # unnormalised z
         total = (scores @ ones[:end]).reshape(n_kv_heads, group, b - a, 1)  # [kv, group, rows, 1]
         np.divide(weighted, total, out=z[:, :, a:b])
-    return z.reshape(n_heads, seq, head_dim)
-
-
-def attention_one_row(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
-    """``primitives.attention`` for a decode step's one query row, in fewer NumPy calls: ``z``
-    ``[n_heads, 1, head_dim]`` only (no pattern).
-
-    ``q`` ``[n_heads, 1, head_dim]``, ``k``/``v`` ``[n_kv_heads, ctx, head_dim]``, ``mask``
-    ``[1, ctx]``. The mask is added only when it hides a key (a sliding window passed by; a causal
-    decode row sees every cached key, so its mask is all zeros: its first key visible means every
-    key is, for causal and sliding-window masks alike); the row sums are ``exp(s) @ 1`` and the
-    division is applied to ``z``, as :func:`attention_in_chunks` does.
-    """
-    n_heads, _, head_dim = q.shape
-    n_kv_heads, ctx = k.shape[-3], k.shape[-2]
-    scores = (q.reshape(n_kv_heads, n_heads // n_kv_heads, head_dim) * np.float32(scale)) @ np.swapaxes(k, -1, -2)
-    if mask[-1, 0] != 0:  # [kv, group, ctx]: a key hidden
-        scores += mask[-1]
-    scores -= np.max(scores, axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    z = scores @ v  # [kv, group, head_dim], unnormalised
-    z /= scores @ np.ones((ctx, 1), dtype=np.float32)  # [kv, group, 1]: each row's sum of weights
-    return z.reshape(n_heads, 1, head_dim)
-
-
-@functools.cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A pool of ``workers`` threads, made once per count and kept for the process."""
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="minillm-attention")
-
-
-def attention_in_threads(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    mask: np.ndarray,
-    scale: float,
-    workers: int,
-    chunk: int = ATTENTION_CHUNK,
-) -> np.ndarray:
-    """:func:`attention_in_chunks` with its (kv head, chunk) pieces on ``workers`` threads, the
-    largest pieces (the last chunks: they see the most keys) first, BLAS on one thread meanwhile.
-
-    Each piece is one kv head's ``group`` query heads over one chunk of rows: the same sums as the
-    one-thread form, in pieces. Shapes as ``primitives.attention``; returns ``z`` ``[n_heads, seq,
-    head_dim]`` float32.
-    """
-    *_, n_heads, seq, head_dim = q.shape
-    n_kv_heads = k.shape[-3]
-    group = n_heads // n_kv_heads
-    offset = mask.shape[-1] - seq
-    ones = np.ones(k.shape[-2], dtype=np.float32)
-    q = (q * np.float32(scale)).reshape(n_kv_heads, group, seq, head_dim)
-    z = np.empty((n_kv_heads, group, seq, head_dim), dtype=np.float32)
-    pieces = [(h, a) for a in range(0, seq, chunk) for h in range(n_kv_heads)][::-1]  # largest first
-
-    def one(piece):
-        h, a = piece
-        b = min(seq, a + chunk)
-        end = offset + b
-        scores = q[h, :, a:b].reshape(group * (b - a), head_dim) @ k[h, :end].T  # [group * rows, end]
-        tile = offset + a if mask[b - 1, 0] == 0 else 0  # as attention_in_chunks
-        scores.reshape(group, b - a, end)[..., tile:] += mask[a:b, tile:end]
-        scores -= np.max(scores, axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        weighted = (scores @ v[h, :end]).reshape(group, b - a, head_dim)
-        total = (scores @ ones[:end]).reshape(group, b - a, 1)
-        np.divide(weighted, total, out=z[h, :, a:b])
-
-    blas = products.blas_controller()
-    before = blas.get_num_threads() if blas is not None else None
-    if blas is not None:
-        blas.set_num_threads(1)  # the threads share the cores; each product on its own one
-    try:
-        list(_pool(workers).map(one, pieces))
-    finally:
-        if blas is not None:
-            blas.set_num_threads(before)  # as it was
     return z.reshape(n_heads, seq, head_dim)

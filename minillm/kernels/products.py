@@ -146,12 +146,6 @@ def _blas():
     return found[0] if found else None
 
 
-def blas_controller():
-    """threadpoolctl's controller of NumPy's BLAS (``get_num_threads``, ``set_num_threads``), or None
-    when threadpoolctl reports none (another BLAS)."""
-    return _blas()
-
-
 def blas_kernel() -> str:
     """The BLAS kernel NumPy's OpenBLAS runs (``"SkylakeX"``, ``"Haswell"``, ...), or ``""`` when
     threadpoolctl does not report one (another BLAS). Fixed when NumPy loads."""

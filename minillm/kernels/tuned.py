@@ -4,9 +4,7 @@
                       per BLAS kernel and thread count (``products.PLAN``); a prefill's projection
                       named in ``products.PREFILL_LEFT`` for this kernel: ``products.left``; else
                       the plain product
-    attention         one query row (a decode step): ``attention_one_row``; more than
-                      ``ATTENTION_CHUNK`` query rows: ``attention_in_chunks``, its pieces on every
-                      BLAS thread's core when BLAS has more than one (``attention_in_threads``)
+    attention         more than ``ATTENTION_CHUNK`` query rows: ``attention_in_chunks``
     batch_attention   a batch's decode rows over one paged pool together (``paged_decode.py``)
 
 Every form gives the same sums in another order: float32 rounding apart, the plain kernels'
@@ -19,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from minillm.kernels import products
-from minillm.kernels.attention import ATTENTION_CHUNK, attention_in_chunks, attention_in_threads, attention_one_row
+from minillm.kernels.attention import ATTENTION_CHUNK, attention_in_chunks
 from minillm.kernels.paged_decode import GroupedAttention
 from minillm.model.batch import Attend
 from minillm.model.kernels import Kernels
@@ -53,15 +51,8 @@ class TunedKernels(Kernels):
         return y
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
-        """:class:`Kernels.attention`: one query row (a decode step) in fewer calls
-        (``attention_one_row``); above ``ATTENTION_CHUNK`` query rows in causal chunks, on as many
-        threads as BLAS has (``attention_in_threads``) or on this one."""
-        if q.shape[-2] == 1 and q.ndim == 3:
-            return attention_one_row(q, k, v, mask, scale)
+        """:class:`Kernels.attention`, in causal chunks above ``ATTENTION_CHUNK`` query rows."""
         if q.shape[-2] > ATTENTION_CHUNK:  # long prefill: causal chunks, scores in cache
-            threads = products.blas_threads()
-            if threads > 1:
-                return attention_in_threads(q, k, v, mask, scale, threads)
             return attention_in_chunks(q, k, v, mask, scale)
         return super().attention(q, k, v, mask, scale)
 

@@ -17,9 +17,8 @@ from helpers import batched_decode_logits
 
 import minillm
 from minillm.errors import InvalidRequestError
-from minillm.kernels import attention, products, tuned
+from minillm.kernels import products
 from minillm.kernels.tuned import TUNED, TunedKernels
-from minillm.model import primitives
 from minillm.model.kernels import PLAIN, Kernels
 from minillm.model.paged_kv_cache import KVCachePool
 from minillm.model.transformer import Transformer
@@ -68,51 +67,6 @@ def test_the_tuned_kernels_are_the_plain_ones_overridden():
     assert isinstance(TUNED, Kernels) and isinstance(TUNED, TunedKernels)
     assert (PLAIN.name, PLAIN.source, TUNED.name, TUNED.source) == ("plain", "minillm/model", "tuned", "minillm/kernels")
     assert {"linear", "attention", "batch_attention"} <= set(vars(TunedKernels))
-
-
-def _qkv_mask(seq, offset, window, seed=0):
-    rng = np.random.default_rng(seed)
-    n_heads, n_kv, hd, ctx = 9, 3, 64, offset + seq
-    q = rng.standard_normal((n_heads, seq, hd), dtype=np.float32)
-    k, v = (rng.standard_normal((n_kv, ctx, hd), dtype=np.float32) for _ in range(2))
-    if window is None:
-        return q, k, v, primitives.causal_mask(seq, ctx, offset=offset)
-    return q, k, v, primitives.sliding_window_mask(seq, ctx, offset=offset, window=window)
-
-
-@pytest.mark.parametrize("offset, window", [(0, None), (40, None), (300, 100), (99, 100)])
-def test_one_row_attention_is_attention(offset, window):
-    q, k, v, mask = _qkv_mask(1, offset, window, seed=offset)
-    whole, _ = primitives.attention(q, k, v, mask, 0.125)
-    one = attention.attention_one_row(q, k, v, mask, 0.125)
-    assert one.shape == whole.shape == (9, 1, 64) and one.dtype == np.float32
-    assert np.abs(one - whole).max() < 1e-6  # float32 rounding: the division applied to z
-    assert np.array_equal(TUNED.attention(q, k, v, mask, 0.125), one)  # a decode row's tuned form
-
-
-@pytest.mark.parametrize("seq, offset, window", [(512, 0, None), (300, 17, None), (260, 17, 100), (129, 0, None)])
-def test_attention_in_threads_is_the_one_thread_chunks(seq, offset, window):
-    q, k, v, mask = _qkv_mask(seq, offset, window, seed=seq)
-    chunks = attention.attention_in_chunks(q, k, v, mask, 0.125)
-    threads = products.blas_threads()
-    for workers in (2, 3):
-        # the same sums; BLAS on one thread may order a product's sums otherwise than on several
-        assert np.abs(attention.attention_in_threads(q, k, v, mask, 0.125, workers) - chunks).max() < 1e-6
-        assert products.blas_threads() == threads  # BLAS's threads as they were before
-
-
-def test_tuned_attention_of_a_long_prefill_uses_the_blas_threads(monkeypatch):
-    q, k, v, mask = _qkv_mask(200, 0, None)
-    seen = []
-    monkeypatch.setattr(tuned, "attention_in_threads", lambda *a: seen.append(a[-1]) or "threads")
-    monkeypatch.setattr(tuned, "attention_in_chunks", lambda *a: seen.append(1) or "chunks")
-    for threads, form in ((1, "chunks"), (2, "threads"), (4, "threads")):
-        monkeypatch.setattr(products, "blas_threads", lambda threads=threads: threads)
-        assert TUNED.attention(q, k, v, mask, 0.125) == form
-    assert seen == [1, 2, 4]
-    q128, k128, v128, mask128 = _qkv_mask(128, 0, None)  # 128 rows: the one-call form
-    assert np.array_equal(TUNED.attention(q128, k128, v128, mask128, 0.125),
-                          primitives.attention(q128, k128, v128, mask128, 0.125)[0])
 
 
 def test_a_tiny_model_plain_and_tuned_batches_agree(tiny_llama):
