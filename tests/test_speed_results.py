@@ -60,3 +60,11 @@ def test_the_cpu_caches_are_read_from_sysfs(tmp_path):
         {"level": "2", "type": "Unified", "size": "1024K", "shared_cpu_list": "0"},
     ]
 
+
+def test_the_readme_table_is_the_one_made_from_the_tracked_results():
+    reports = speed_results.tracked()
+    assert reports, "benchmarks/results/ holds no speed-*.json"
+    for report in reports:
+        assert speed_results.results_path(report).exists()  # each file is named by what it holds
+    readme = (ROOT / "README.md").read_text()
+    assert speed_results.readme_table(readme) == speed_results.table(reports)
