@@ -181,7 +181,7 @@ def _minillm_load(opts: dict):
     import minillm
 
     t1 = time.perf_counter()
-    model = minillm.load(opts["model"], progress=False)
+    model = minillm.load(opts["model"], progress=False, kernels=opts.get("kernels", "tuned"))
     t2 = time.perf_counter()
     return minillm, model, t1 - t0, t2 - t1
 
@@ -202,12 +202,14 @@ def minillm_decode(minillm, model, ids: np.ndarray, new_tokens: int) -> tuple[fl
 
 
 def measure_minillm(opts: dict) -> dict:
-    """minillm: warm load, prefill at each prompt length, decode, memory."""
+    """minillm: warm load, prefill at each prompt length, decode, memory (``opts["kernels"]``:
+    ``minillm.load``'s kernels, default ``"tuned"``)."""
     keep = limit_threads(opts["threads"])
     rss_start = rss_bytes()
     minillm, model, import_s, load_s = _minillm_load(opts)
     out = {
         "runtime": "minillm",
+        "kernels": opts.get("kernels", "tuned"),
         "import_s": import_s,
         "load_s": [load_s],
         "peak_rss_after_load_bytes": peak_rss_bytes(),
@@ -481,6 +483,7 @@ def measure_torch(opts: dict, attn: str) -> dict:
 WORKERS = {
     "machine": measure_machine,
     "minillm": measure_minillm,
+    "minillm-plain": lambda opts: measure_minillm({**opts, "kernels": "plain"}),
     "minillm-curves": measure_minillm_curves,
     "torch-eager": lambda opts: measure_torch(opts, "eager"),
     "torch-sdpa": lambda opts: measure_torch(opts, "sdpa"),
