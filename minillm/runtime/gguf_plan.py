@@ -31,9 +31,9 @@ def gguf_weight_bytes(gguf_path: str | os.PathLike, config: ModelConfig) -> dict
     """
     import gguf
 
-    from minillm.sources.gguf_import import _scan_gguf
+    from minillm.sources.gguf_reader import scan_gguf
 
-    _, infos, _ = _scan_gguf(Path(gguf_path))
+    _, infos, _ = scan_gguf(Path(gguf_path))
     out: Counter = Counter()
     for name, type_id, dims, _offset in infos:
         if config.tie_word_embeddings and name == "output.weight":

@@ -303,7 +303,6 @@ def test_weights_match_transformers_gguf_loader(gemma3_folder, gemma3_gguf):
     assert rope["sliding_attention"]["rope_theta"] == cfg["rope_local_base_freq"] == 1e4
 
 
-@pytest.mark.slow
 CONVERT = """
 import resource, sys
 from minillm.sources.gguf_import import import_gguf
@@ -312,6 +311,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
 
+@pytest.mark.slow
 def test_converting_the_real_gguf_stays_inside_a_processs_budget(gemma3_folder, gemma3_gguf, tmp_path):
     """A fresh cache converts Gemma 3 (262,144-row embedding) on first use: the conversion's peak
     RSS is the GGUF reader, the tokenizer and the float32 tensors, not several float32 copies of
@@ -333,6 +333,7 @@ def test_converting_the_real_gguf_stays_inside_a_processs_budget(gemma3_folder, 
     assert digests[0] == digests[1]  # the same header and the same bits as the cached conversion
 
 
+@pytest.mark.slow
 def test_vocabulary_and_merges_are_googles(gemma3_folder, google_tokenizer_json):
     ours = json.loads((gemma3_folder / "tokenizer.json").read_text(encoding="utf-8"))
     google = json.loads(google_tokenizer_json.read_text(encoding="utf-8"))
