@@ -13,6 +13,7 @@ from rich.table import Table
 from minillm.errors import MiniLLMError
 from minillm.runtime.memory_plan import MemoryPlan, format_bytes
 
+from .flags import worker_options
 from .models import ModelRegistry, ModelSpec
 
 
@@ -47,18 +48,7 @@ def build_registry(args: argparse.Namespace, console: Console, speculative=None)
         keep_alive_s=-1.0 if args.keep_alive is None else args.keep_alive,
         max_loaded=args.max_loaded_models,
         kv_cache_mib=args.kv_cache_mib,
-        startup_delay_s=args.startup_delay,
-        console=console,
-        max_queue=args.max_queue,
-        request_timeout_s=args.request_timeout,
-        max_seq_len=args.max_seq_len,
-        threads=args.threads,
-        warmup=not args.no_warmup,
-        verbosity=args.verbosity,
-        keep_traces=args.keep_traces,
-        max_num_seqs=args.max_num_seqs,
-        max_batched_tokens=args.max_batched_tokens,
-        block_size=args.block_size,
+        **worker_options(args, console),
     )
     # before plan_all hands them to every slot: the flags of backpressure, the fault hook, the events
     registry.guard.stream_buffer, registry.guard.test_faults = args.stream_buffer, args.test_faults

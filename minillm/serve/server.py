@@ -80,6 +80,7 @@ def _one_model_app(args: argparse.Namespace, console: Console, speculative):
     """(app, guard) for one model on one :class:`~minillm.serve.worker.Worker`; prints the banner."""
     from .app import create_app
     from .events import EventBus
+    from .flags import worker_options
     from .metrics import ServerMetrics
     from .reliability import Guard
     from .worker import Worker
@@ -88,19 +89,8 @@ def _one_model_app(args: argparse.Namespace, console: Console, speculative):
     worker = Worker(
         args.model,
         metrics=metrics,
-        max_queue=args.max_queue,
-        request_timeout_s=args.request_timeout,
-        max_seq_len=args.max_seq_len,
-        threads=args.threads,
-        warmup=not args.no_warmup,
-        verbosity=args.verbosity,
-        console=console,
-        startup_delay_s=args.startup_delay,
-        keep_traces=args.keep_traces,
-        max_num_seqs=args.max_num_seqs,
+        **worker_options(args, console),
         kv_cache_mib=args.kv_cache_mib if args.kv_cache_mib is not None else 512.0,
-        max_batched_tokens=args.max_batched_tokens,
-        block_size=args.block_size,
         events=EventBus(args.events_buffer, args.max_event_subscribers, log=console.print),
         guard=Guard(metrics, stream_buffer=args.stream_buffer, test_faults=args.test_faults),
         speculative=speculative,

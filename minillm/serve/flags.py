@@ -1,0 +1,29 @@
+"""The serve command's flags as a :class:`~minillm.serve.worker.Worker`'s options: one model's worker
+and every model slot of a multi-model server take the same ones."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+
+def worker_options(args: argparse.Namespace, console: Console) -> dict:
+    """The keyword arguments a Worker (or a ModelSlot) takes from ``minillm serve``'s flags: its
+    queue bound and timeout (seconds), context, threads, warm-up, trace keeping and the scheduler's
+    batch limits (sequences, tokens, block size). The KV pool's size is the caller's (one model has
+    a default; several share a budget)."""
+    return dict(
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout,
+        max_seq_len=args.max_seq_len,
+        threads=args.threads,
+        warmup=not args.no_warmup,
+        verbosity=args.verbosity,
+        console=console,
+        startup_delay_s=args.startup_delay,
+        keep_traces=args.keep_traces,
+        max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens,
+        block_size=args.block_size,
+    )
