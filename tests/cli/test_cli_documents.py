@@ -9,27 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import minillm
+from cli_runs import events, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 INCIDENT = ROOT / "examples" / "incident.txt"
 ASK = "Summarize this incident report in two bullets."
-
-
-def run_cli(*args, stdin: str | None = None, env=None, timeout=600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "200", **(env or {})}  # rich wraps at COLUMNS: keep messages on one line
-    return subprocess.run([sys.executable, "-m", "minillm", *args], input=stdin, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)
-
-
-def events(path: Path) -> dict:
-    return {e.phase: e.data for e in minillm.Tracer.from_jsonl(path.read_text())}
 
 
 @pytest.mark.slow

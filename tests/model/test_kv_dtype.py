@@ -20,7 +20,7 @@ import pytest
 import minillm
 from benchmarks.precision import PROMPTS  # the 5 fixed prompts of the benchmark and lesson 12
 from minillm.errors import InvalidRequestError
-from tests.test_cli_documents import events, run_cli
+from cli_runs import events, run_cli
 
 INT8_FLIPS = {"To make a cup of tea, first": 1}  # measured: prompt -> index of the first differing token
 
