@@ -631,7 +631,10 @@ def test_an_unknown_request_option_is_named(smollm2):
 
     from minillm.runtime.request import Request
 
-    signature = set(inspect.signature(Request.__init__).parameters) - {"self", "model", "prompt", "params", "listener"}
+    # listener (the tracer's wiring) and prepared (the server's worker hands over the ids it sized the
+    # request by) are Request's own callers' arguments, not options of stream
+    internal = {"self", "model", "prompt", "params", "listener", "prepared"}
+    signature = set(inspect.signature(Request.__init__).parameters) - internal
     assert Request.OPTIONS == signature  # stream's documented options are exactly what Request takes
     with pytest.raises(InvalidRequestError, match=r"unknown request option\(s\) \['max_tokens'\]; the options are "):
         minillm.generate(smollm2, "Hi", max_tokens=4)
