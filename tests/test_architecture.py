@@ -13,6 +13,8 @@ import sys
 import tokenize
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 LINT_IMPORTS = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
                 "sys.exit(lint_imports_command())"]
@@ -323,3 +325,35 @@ def test_a_long_function_and_a_long_file_are_found(tmp_path):
     (top / "b.py").write_text("x = 1\n" * 401)
     assert oversized(top, {}) == ["minillm/a.py:long: 81 lines (limit 80)", "minillm/b.py: 401 lines (limit 400)"]
     assert oversized(top, {"minillm/a.py:long": 81, "minillm/b.py": 401}) == []
+
+
+# --- no code written twice: the workplace's `duplicates` tool over the package ------------------------
+DUPLICATES = shutil.which("duplicates")
+needs_duplicates = pytest.mark.skipif(DUPLICATES is None, reason="the `duplicates` command is not on this machine's "
+                                      "PATH (a tool of the workplace where minillm is developed, not a package)")
+
+
+def duplicate_pairs(top: Path) -> tuple[int, str]:
+    """Run ``duplicates`` over the folder ``top``: (pairs it lists, its whole report). It reads the files as
+    text, so a pair of the same lines or the same shape (names and values aside) anywhere in ``top`` counts."""
+    run = subprocess.run([DUPLICATES, "--repo", str(top), "--most", "200", "--seconds", "120"], cwd=top,
+                         capture_output=True, text=True, timeout=300)
+    report = run.stdout + run.stderr
+    assert "incomplete" not in report, report  # a report that did not read everything proves nothing
+    first = report.splitlines()[0]
+    return (0 if first.startswith("no duplicates") else int(first.split()[0])), report
+
+
+@needs_duplicates
+def test_duplicates_finds_no_pair_inside_the_package():
+    pairs, report = duplicate_pairs(PACKAGE)
+    assert pairs == 0, report
+
+
+@needs_duplicates
+def test_a_function_written_twice_is_a_pair(tmp_path):
+    body = "".join(f"    total{n} = values[{n}] * scale + offset\n" for n in range(8))
+    (tmp_path / "a.py").write_text(f"def first(values, scale, offset):\n{body}    return total0\n")
+    (tmp_path / "b.py").write_text(f"def second(values, scale, offset):\n{body}    return total1\n")
+    pairs, report = duplicate_pairs(tmp_path)
+    assert pairs == 1 and "a.py" in report and "b.py" in report, report

@@ -95,12 +95,7 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="how much of the trace to print (default steps; a conversation on the terminal: only the answers)",
     )
-    p.add_argument(
-        "--trace",
-        choices=("rich", "json"),
-        default="rich",
-        help="rich: the readable trace (default); json: the events as JSON lines on stdout",
-    )
+    p.add_argument("--trace", choices=("rich", "json"), default="rich", help="rich (default), or json: JSON lines")
     p.add_argument(
         "--trace-json", metavar="PATH", default=None, help="also write the trace events as JSON lines to PATH"
     )
@@ -160,8 +155,7 @@ def add_openai_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0, help="minus this once per generated id")
     p.add_argument(
         "--logit-bias",
-        action="append",
-        default=None,
+        action="append",  # default None: no bias
         type=_bias,
         metavar="ID=BIAS",
         help="add BIAS in [-100, 100] to token ID's logit, e.g. 28=-100 bans ',' (repeatable)",

@@ -159,14 +159,14 @@ def run_request(args: argparse.Namespace, console: Console) -> int:
             stop=args.stop,
             stop_token_ids=args.stop_token_ids,
             include_stop_string=args.include_stop_string,
+            cancel=cancel,
             timeout_s=args.timeout,
             max_seq_len=args.max_seq_len,
+            result=results,
             kv_dtype=args.kv_dtype,
             speculative=minillm.Speculative(args.speculative, args.num_speculative_tokens)
             if args.speculative
             else None,
-            cancel=cancel,
-            result=results,
             constraint=constraint,
         ):
             if args.verbosity == "quiet":  # only the text, as it arrives

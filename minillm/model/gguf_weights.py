@@ -23,9 +23,9 @@ import numpy as np
 
 from minillm.errors import WeightsError
 from minillm.model.config import ModelConfig
-from minillm.model.families import NAME_MAPS, MlpKind, NormKind, PositionKind
+from minillm.model.families import NAME_MAPS, NormKind, PositionKind
 from minillm.model.held import BlockMatrix, StackedMatrix
-from minillm.model.weights import LayerWeights, Weights
+from minillm.model.weights import Weights, read_parameters
 from minillm.sources.gguf_packed import read_packed_tensors
 
 
@@ -48,39 +48,11 @@ def load_gguf_weights(gguf_path: str | os.PathLike, config: ModelConfig) -> Weig
     tensors, _ = read_packed_tensors(path)
     t1 = time.perf_counter()
     r = _PackedReader(path, config, tensors)
-    matrix, norm = r.matrix, r.norm
     if config.norm is not NormKind.RMSNORM:
         raise WeightsError(f"{path.name}: weight_dtype='gguf' expects RMSNorm models")
-    d, ffn, vocab, hd = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
-    q_dim, kv_dim = config.q_dim, config.kv_dim
-    embed = matrix("embed_tokens", vocab, d)
-    layers = []
-    for i in range(config.num_hidden_layers):
-        qkv = StackedMatrix([matrix("q", q_dim, d, i), matrix("k", kv_dim, d, i), matrix("v", kv_dim, d, i)])
-        gated = config.mlp is MlpKind.GATED
-        layers.append(
-            LayerWeights(
-                attn_norm=norm("attn_norm", d, i),
-                w_qkv=qkv,
-                q_norm=norm("q_norm", hd, i) if config.qk_norm else None,
-                k_norm=norm("k_norm", hd, i) if config.qk_norm else None,
-                w_o=matrix("o", d, q_dim, i),
-                attn_post_norm=norm("attn_post_norm", d, i) if config.post_norms else None,
-                mlp_norm=norm("mlp_norm", d, i),
-                w_gate_up=StackedMatrix([matrix("gate", ffn, d, i), matrix("up", ffn, d, i)]) if gated else None,
-                w_up=None if gated else matrix("up", ffn, d, i),
-                w_down=matrix("down", d, ffn, i),
-                mlp_post_norm=norm("mlp_post_norm", d, i) if config.post_norms else None,
-            )
-        )
-    tied = config.tie_word_embeddings or r.names["lm_head"] not in tensors
-    lm_head = embed if tied else matrix("lm_head", vocab, d)
-    final_norm = norm("final_norm", d)
+    parameters = read_parameters(r, config)  # the safetensors load's own builder, through the packed reader
     return Weights(
-        embed_tokens=embed,
-        layers=layers,
-        final_norm=final_norm,
-        lm_head=lm_head,
+        **parameters,
         stored_dtypes=r.counts,
         stored_bytes=r.nbytes,
         unused_tensors=sorted(set(tensors) - r.used),
@@ -92,7 +64,10 @@ def load_gguf_weights(gguf_path: str | os.PathLike, config: ModelConfig) -> Weig
 
 class _PackedReader:
     """A GGUF's packed tensors by the family's key (``NAME_MAPS``), each checked against its shape and
-    counted (parameters and bytes per GGUF type) as it is taken."""
+    counted (parameters and bytes per GGUF type) as it is taken: the reader interface of
+    ``weights.read_parameters`` (as ``tensor_reader.TensorReader``), with every matrix a BlockMatrix."""
+
+    omits_tied_head = True  # llama.cpp leaves output.weight out when the head is the embedding
 
     def __init__(self, path: Path, config: ModelConfig, tensors: dict):
         self.path, self.config, self.tensors = path, config, tensors
@@ -100,6 +75,11 @@ class _PackedReader:
         self.counts: Counter = Counter()
         self.nbytes: Counter = Counter()
         self.used: set[str] = set()
+
+    def find(self, key: str, i: int | None) -> str | None:
+        """The file's name for ``key`` in layer ``i``, or None when the GGUF has no such tensor."""
+        name = self.names[key].format(i=i)
+        return name if name in self.tensors else None
 
     def get(self, key: str, shape: tuple[int, ...], i: int | None = None):
         """The packed tensor of ``key`` (layer ``i``). Raises WeightsError: missing, or not of ``shape``."""
@@ -114,15 +94,32 @@ class _PackedReader:
         self.nbytes[t.type_name] += t.data.nbytes
         return t
 
-    def matrix(self, key: str, rows: int, cols: int, i: int | None = None) -> BlockMatrix:
-        """A ``[rows, cols]`` matrix, its blocks kept packed."""
-        t = self.get(key, (rows, cols), i)
+    def table(self, key: str, rows: int, cols: int) -> BlockMatrix:
+        """A ``[rows, cols]`` matrix (the embedding, an untied head), its blocks kept packed."""
+        t = self.get(key, (rows, cols))
         return BlockMatrix(t.data, t.type_name, cols, t.name)
+
+    def matrix(self, i: int, in_dim: int, *pieces: tuple[str, int]) -> BlockMatrix | StackedMatrix:
+        """Layer ``i``'s projection stacking ``pieces`` ``(key, out_dim)`` row-wise, ``[sum out, in_dim]``:
+        one packed matrix, or several stacked without repacking (each keeps its own GGUF type)."""
+        held = []
+        for key, out_dim in pieces:
+            t = self.get(key, (out_dim, in_dim), i)
+            held.append(BlockMatrix(t.data, t.type_name, in_dim, t.name))
+        return held[0] if len(held) == 1 else StackedMatrix(held)
+
+    def take(self, key: str, shape: tuple[int, ...], i: int | None = None) -> np.ndarray:
+        """A small tensor (a norm's weight) as float32."""
+        return self.get(key, shape, i).to_float32()
+
+    def maybe(self, cond: bool, key: str, shape: tuple[int, ...], i: int | None = None) -> np.ndarray | None:
+        """:meth:`take` if ``cond`` (the config says the family has this tensor), else None."""
+        return self.take(key, shape, i) if cond else None
 
     def norm(self, key: str, dim: int, i: int | None = None) -> np.ndarray:
         """A norm's float32 ``[dim]`` weight, as the converted folder holds it (Gemma: w, not 1 + w),
-        then with the family's offset added as ``weights.load_weights`` does (``1 + w``)."""
-        w = self.get(key, (dim,), i).to_float32()
+        then with the family's offset added as the safetensors reader does (``1 + w``)."""
+        w = self.take(key, (dim,), i)
         if self.config.norm_weight_offset:
             w = w + np.float32(self.config.norm_weight_offset)
         return w

@@ -65,6 +65,8 @@ class TensorReader:
     ``reading_s`` given: the headers), each tensor's as it is taken.
     """
 
+    omits_tied_head = False  # a safetensors checkpoint with an untied config must carry its lm_head
+
     def __init__(
         self,
         folder: str | os.PathLike,

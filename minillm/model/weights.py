@@ -220,36 +220,17 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig, mmap: bool = Fa
     t0 = time.perf_counter()
     files = weight_files(folder)
     tensors, counts, nbytes = read_tensors(files)
-    d_model, vocab = config.hidden_size, config.vocab_size
     block = WeightBlock(0 if mmap else _block_size(config))
     r = TensorReader(folder, config, tensors, block, mmap, reading_s=time.perf_counter() - t0)
-    # The largest tensor first: while it is read, its mapped file pages and its copy both count in
-    # the resident set, and this way nothing else is loaded yet (peak RSS).
-    embed = r.table("embed_tokens", vocab, d_model)
-    layers = [_layer_weights(r, config, i) for i in range(config.num_hidden_layers)]
-    if config.tie_word_embeddings:
-        if (name := r.find("lm_head", None)) is not None:
-            r.used.add(name)  # some files carry the tied copy anyway; the model uses the embedding
-        lm_head = embed  # tied head: the embedding itself, no second copy
-    else:
-        lm_head = r.table("lm_head", vocab, d_model)  # [vocab, d_model]
-    learned = config.position_embedding is PositionKind.LEARNED
-    pos_embed = r.take("pos_embed", (config.max_position_embeddings, d_model)) if learned else None
-    final_norm = r.norm("final_norm", d_model)
-    final_norm_bias = r.maybe(config.norm is NormKind.LAYERNORM, "final_norm_bias", (d_model,))
+    parameters = read_parameters(r, config)
     t2 = time.perf_counter()
     return Weights(
-        embed_tokens=embed,
-        layers=layers,
-        final_norm=final_norm,
-        lm_head=lm_head,
-        pos_embed=pos_embed,
-        final_norm_bias=final_norm_bias,
+        **parameters,
+        unused_tensors=sorted(set(tensors) - r.used),
+        seconds={"map" if mmap else "read": r.reading_s, "convert": t2 - t0 - r.reading_s},
         stored_dtypes=counts,
         stored_bytes=nbytes,
-        unused_tensors=sorted(set(tensors) - r.used),
         files=files,
-        seconds={"map" if mmap else "read": r.reading_s, "convert": t2 - t0 - r.reading_s},
         mapped=mmap,
     )
 
@@ -263,8 +244,42 @@ def _block_size(config: ModelConfig) -> int:
     return tables + config.num_hidden_layers * per_layer
 
 
-def _layer_weights(r: TensorReader, config: ModelConfig, i: int) -> LayerWeights:
-    """Layer ``i``'s tensors, carved in the order the forward reads them: q|k|v, o, gate|up (or up), down."""
+def read_parameters(r, config: ModelConfig) -> dict:
+    """The model's parameters as :class:`Weights` fields (``embed_tokens``, ``layers``, ``lm_head``,
+    ``pos_embed``, ``final_norm``, ``final_norm_bias``), read through ``r``: the one builder of both
+    loads. ``r`` is a :class:`~minillm.model.tensor_reader.TensorReader` (safetensors: float32 copies
+    or mapped views) or ``gguf_weights``' packed reader (every matrix a ``BlockMatrix``); each reader
+    decides how a matrix is held and offers ``table``, ``matrix``, ``take``, ``maybe``, ``norm``, ``find``.
+
+    Raises:
+        WeightsError: (the reader's) a tensor missing, of the wrong shape or of an unreadable dtype.
+    """
+    d_model, vocab = config.hidden_size, config.vocab_size
+    # The largest tensor first: while it is read, its mapped file pages and its copy both count in
+    # the resident set, and this way nothing else is loaded yet (peak RSS).
+    embed = r.table("embed_tokens", vocab, d_model)
+    layers = [layer_weights(r, config, i) for i in range(config.num_hidden_layers)]
+    head = r.find("lm_head", None)
+    if config.tie_word_embeddings or (head is None and r.omits_tied_head):
+        if head is not None:
+            r.used.add(head)  # some files carry the tied copy anyway; the model uses the embedding
+        lm_head = embed  # tied head: the embedding itself, no second copy
+    else:
+        lm_head = r.table("lm_head", vocab, d_model)  # [vocab, d_model]
+    learned = config.position_embedding is PositionKind.LEARNED
+    return dict(
+        embed_tokens=embed,
+        layers=layers,
+        lm_head=lm_head,
+        pos_embed=r.maybe(learned, "pos_embed", (config.max_position_embeddings, d_model)),
+        final_norm=r.norm("final_norm", d_model),
+        final_norm_bias=r.maybe(config.norm is NormKind.LAYERNORM, "final_norm_bias", (d_model,)),
+    )
+
+
+def layer_weights(r, config: ModelConfig, i: int) -> LayerWeights:
+    """Layer ``i``'s tensors through the reader ``r`` (see :func:`read_parameters`), taken in the order
+    the forward reads them: q|k|v, o, gate|up (or up), down; a family's absent tensors are None."""
     d_model, ffn, hd = config.hidden_size, config.intermediate_size, config.head_dim
     q_dim, kv_dim = config.q_dim, config.kv_dim
     if "qkv" in r.names:  # GPT-2: one fused Conv1D [d_model, 3 d_model]

@@ -264,14 +264,14 @@ def measure_machine(folder: Path | None = None, repeats: int = 3) -> Machine:
     call_s = _best(lambda: [x @ m for _ in range(1000)], repeats) / 1000
     trim_heap()  # the test arrays and the synthetic tokenizer leave the resident set (a server measures it)
     return Machine(
-        fingerprint=fingerprint(),
         matmul_s_per_byte=per_byte,
         gemm_flop_s=gemm_flop_s,
         fresh_copy_b_s=fresh_copy_b_s,
+        seconds=time.perf_counter() - t0,
         disk_read_b_s=disk_read_b_s,
         tokenizer_b_s=tokenizer_b_s,
         call_s=call_s,
-        seconds=time.perf_counter() - t0,
+        fingerprint=fingerprint(),
         others_cpu_share=others_cpu_share(cpu0, cpu_snapshot()),
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
     )

@@ -15,8 +15,10 @@ from collections.abc import Iterator
 
 from minillm.errors import InvalidRequestError
 from minillm.model.paged_kv_cache import MIB, KVCachePool, check_block_size
+from minillm.runtime import steps
 from minillm.runtime.loading import Model
 from minillm.runtime.request import GenerationResult, Request
+from minillm.runtime.request_checks import check_arguments
 from minillm.runtime.sampling import SamplingParams
 from minillm.runtime.scheduler import BatchRequest, Scheduler
 from minillm.runtime.steps import Prompt, decode_step, prefill, verify_step
@@ -173,9 +175,8 @@ def generate_batch(
         KVCachePoolTooSmall: a request needs more blocks than the whole pool (refused before any
             model work).
     """
-    requests = _batch_requests(model, prompts, params, max_new_tokens, per_prompt, pool, block_size, options)
-    if pool is None:
-        pool = _pool_for(model, requests, kv_cache_mib, block_size)
+    requests, pool = _batch_requests(model, prompts, params, max_new_tokens, per_prompt, pool, kv_cache_mib,
+                                     block_size, options)  # fmt: skip
     scheduler = Scheduler(
         model, pool, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, listener=tracer
     )
@@ -192,8 +193,12 @@ def generate_batch(
     return [r.result for r in requests]
 
 
-def _batch_requests(model, prompts, params, max_new_tokens, per_prompt, pool, block_size, options) -> list:
-    """One :class:`BatchRequest` per prompt, its arguments checked (``generate_batch``'s, same errors)."""
+def _batch_requests(model, prompts, params, max_new_tokens, per_prompt, pool, kv_cache_mib, block_size,
+                    options) -> tuple[list, KVCachePool]:  # fmt: skip
+    """One :class:`BatchRequest` per prompt, its arguments checked (``generate_batch``'s, same errors),
+    each on ``pool`` or, with none given, on a pool made for them: the prompts are rendered and
+    tokenized first (once: each request takes its ids as ``prepared``), so the pool's size is known
+    before any request or sequence is built."""
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)):
         raise InvalidRequestError(
             f"generate_batch takes a list of prompts, got {type(prompts).__name__}; for one prompt pass [prompt] "
@@ -215,23 +220,33 @@ def _batch_requests(model, prompts, params, max_new_tokens, per_prompt, pool, bl
         if unknown := sorted(set(extra) - BatchRequest.OPTIONS):
             raise InvalidRequestError(f"per_prompt[{j}] has unknown option(s) {unknown}.")
 
+    kwargs = [{**options, **extra} for extra in overrides]
+    prepared = [None] * n
+    if pool is None:
+        for m, kw in zip(budgets, kwargs, strict=True):
+            check_arguments(m, kw.get("timeout_s"))  # before a budget sizes the pool
+        prepared = [steps.prepare(model, text, chat=kw.get("chat")) for text, kw in zip(prompts, kwargs, strict=True)]
+        pool = _pool_for(model, prepared, budgets, kwargs, kv_cache_mib, block_size)
     requests = [
-        BatchRequest(model, prompt, p, pool=pool, index=j, max_new_tokens=m, listener=None, **{**options, **extra})
-        for j, (prompt, p, m, extra) in enumerate(zip(prompts, params_list, budgets, overrides, strict=True))
+        BatchRequest(model, prompt, p, pool=pool, index=j, max_new_tokens=m, listener=None, prepared=prep, **kw)
+        for j, (prompt, p, m, kw, prep) in enumerate(zip(prompts, params_list, budgets, kwargs, prepared, strict=True))
     ]
-    return requests
+    return requests, pool
 
 
-def _pool_for(model: Model, requests: list, kv_cache_mib: float | None, block_size: int) -> KVCachePool:
-    """A pool of ``kv_cache_mib`` MiB, by default sized from the requests (their windows, all at once),
-    handed to each request's sequence (made before the pool's size was known)."""
+def _pool_for(model: Model, prepared: list, budgets: list[int], kwargs: list[dict], kv_cache_mib: float | None,
+              block_size: int) -> KVCachePool:  # fmt: skip
+    """A pool of ``kv_cache_mib`` MiB, by default sized for every request at once: each one's
+    :attr:`~minillm.runtime.scheduler.BatchRequest.positions_needed` (prompt + new tokens - 1, at most
+    its ``max_seq_len`` or the model's context), from its prepared ids."""
     if kv_cache_mib is None:
-        blocks = sum(-(-r.positions_needed // block_size) for r in requests)
+        context = model.config.max_position_embeddings
+        blocks = 0
+        for (_, ids, _), m, kw in zip(prepared, budgets, kwargs, strict=True):
+            positions = min(kw.get("max_seq_len") or context, len(ids) + m - 1)
+            blocks += -(-positions // block_size)
         kv_cache_mib = blocks * block_size * model.config.kv_bytes_per_token() / MIB
-    pool = KVCachePool.for_model(model.config, kv_cache_mib, block_size)
-    for r in requests:
-        r.seq.pool = r.pool = pool
-    return pool
+    return KVCachePool.for_model(model.config, kv_cache_mib, block_size)
 
 
 def _per_prompt(name: str, value, n: int, kind: type) -> list:

@@ -160,11 +160,8 @@ class Request:
         (``prepared``: the text, its ids and the seconds it took; the server's worker sizes the
         request by them); tell the listener both phases."""
         if prepared is None:
-            text = steps.prompt_text(self.model, prompt, chat=chat)
-            ids = self.model.tokenizer.encode(text, add_special_tokens=not chat)  # [seq] int64
-            self.metrics.tokenize_s = time.perf_counter() - self.t0
-        else:
-            text, ids, self.metrics.tokenize_s = prepared
+            prepared = steps.prepare(self.model, prompt, chat=chat)
+        text, ids, self.metrics.tokenize_s = prepared
         self.metrics.prompt_tokens = len(ids)
         messages = prompt if isinstance(prompt, list) else ([{"role": "user", "content": prompt}] if chat else [])
         self._emit("prepare", self.t0, 0.0, chat=chat, messages=messages, text=text)

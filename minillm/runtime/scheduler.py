@@ -35,11 +35,13 @@ from minillm.runtime.request import GenerationResult, Request
 
 class BatchRequest(Request):
     """A :class:`Request` whose KV cache is a sequence of the shared pool; ``index`` is its place
-    in the caller's list. ``deltas`` collects the text it releases, ``result`` its end."""
+    in the caller's list; ``step_delay_s``: slow motion, seconds it sits out after each step it took
+    part in (0: none). ``deltas`` collects the text it releases, ``result`` its end."""
 
     OPTIONS = Request.OPTIONS - {"cache"}
 
-    def __init__(self, model: Model, prompt, params, *, pool: KVCachePool, index: int, **options):
+    def __init__(self, model: Model, prompt, params, *, pool: KVCachePool, index: int, step_delay_s: float = 0.0,
+                 **options):  # fmt: skip
         if options.get("kv_dtype") not in (None, "float32"):
             # the pool's blocks are float32 arrays shared by every sequence; a per-request dtype would
             # need a pool per dtype (not built)
@@ -56,12 +58,12 @@ class BatchRequest(Request):
         # Slow motion (a classroom follows one step at a time): after each step it took part in,
         # the request sits out the steps of the next ``step_delay_s`` seconds, keeping its blocks;
         # the others keep their pace. Its measured step times never include the wait.
-        self.step_delay_s = 0.0
+        self.step_delay_s = step_delay_s
         self.hold_until = 0.0  # time.perf_counter() seconds
         self.drafted: tuple[list[int], object] = ([], None)  # this step's draft ids and q (speculative)
 
     def new_cache(self, max_seq_len: int) -> PagedSequence:
-        return PagedSequence(self.pool, max_seq_len)  # the pool may be set later (sized from the requests)
+        return PagedSequence(self.pool, max_seq_len)
 
     @property
     def positions_needed(self) -> int:

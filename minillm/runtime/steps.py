@@ -10,6 +10,8 @@ one request and is reset or freed at its end.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from minillm.errors import InvalidRequestError
@@ -65,6 +67,20 @@ def tokenize(model: Model, prompt: Prompt, *, chat: bool | None = None, **chat_o
     """
     chat = is_chat(prompt, chat)
     return model.tokenizer.encode(prompt_text(model, prompt, chat=chat, **chat_options), add_special_tokens=not chat)
+
+
+def prepare(model: Model, prompt: Prompt, *, chat: bool | None = None) -> tuple[str, np.ndarray, float]:
+    """:func:`prompt_text` and its ids at once: ``(text, ids [seq] int64, seconds both took)``, what a
+    request takes as ``prepared=`` when its caller tokenized it already (the server's worker sizes a
+    request by its ids, ``generate_batch`` its default pool), so no prompt is tokenized twice.
+
+    Raises:
+        InvalidRequestError, ChatTemplateError: as :func:`prompt_text`.
+    """
+    t0 = time.perf_counter()
+    chat = is_chat(prompt, chat)
+    text = prompt_text(model, prompt, chat=chat)
+    return text, model.tokenizer.encode(text, add_special_tokens=not chat), time.perf_counter() - t0
 
 
 def prefill(model: Model, ids: np.ndarray, cache: KVCache) -> np.ndarray:

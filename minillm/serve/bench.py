@@ -303,6 +303,15 @@ def results_table(results: dict):
     return table
 
 
+def save_results(results: dict, path: str | None, kind: str) -> Path:
+    """Write a benchmark's results as JSON to ``path``, or to ``bench-results/<kind>-<local time>.json`` (an
+    untracked folder) when no path is given; returns the path written. Raises OSError when it cannot write."""
+    out = Path(path or f"bench-results/{kind}-{datetime.now():%Y%m%d-%H%M%S}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    return out
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
     """``minillm bench``: progress bar, table, JSON file; exit status 1 if any request failed, 2 on bad flags."""
     from rich.console import Console
@@ -337,8 +346,5 @@ def run_bench_command(args: argparse.Namespace) -> int:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)  # one line, however wide the terminal
         return 2
     console.print(results_table(results))
-    path = Path(args.json or f"bench-results/bench-{datetime.now():%Y%m%d-%H%M%S}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1))
-    console.print(f"results: {path}")
+    console.print(f"results: {save_results(results, args.json, 'bench')}")
     return 1 if any(lv["errors"] for lv in results["levels"]) else 0

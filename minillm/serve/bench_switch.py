@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
-from datetime import datetime
-from pathlib import Path
 
-from .bench import calibrate_words, make_prompt, one_request, percentiles
+from .bench import calibrate_words, make_prompt, one_request, percentiles, save_results
 
 PATTERNS = ("alternate", "sticky")
 
@@ -121,8 +118,5 @@ def run_switch_command(args: argparse.Namespace) -> int:
         err.print(f"[bold red]error:[/] {exc}")
         return 2
     console.print(switch_table(results))
-    path = Path(args.json or f"bench-results/bench-switch-{datetime.now():%Y%m%d-%H%M%S}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1))
-    console.print(f"results: {path}")
+    console.print(f"results: {save_results(results, args.json, 'bench-switch')}")
     return 1 if any(p["ok"] < p["requests"] for p in results["patterns"]) else 0

@@ -13,17 +13,13 @@ def worker_options(args: argparse.Namespace, console: Console) -> dict:
     queue bound and timeout (seconds), context, threads, warm-up, trace keeping and the scheduler's
     batch limits (sequences, tokens, block size). The KV pool's size is the caller's (one model has
     a default; several share a budget)."""
+    # the flags whose dest is the Worker's keyword itself, then the four that are renamed or turned
+    same = ("max_queue", "max_seq_len", "threads", "verbosity", "keep_traces", "max_num_seqs", "max_batched_tokens")
+    options = {name: getattr(args, name) for name in (*same, "block_size")}
     return dict(
-        max_queue=args.max_queue,
+        options,
         request_timeout_s=args.request_timeout,
-        max_seq_len=args.max_seq_len,
-        threads=args.threads,
         warmup=not args.no_warmup,
-        verbosity=args.verbosity,
-        console=console,
         startup_delay_s=args.startup_delay,
-        keep_traces=args.keep_traces,
-        max_num_seqs=args.max_num_seqs,
-        max_batched_tokens=args.max_batched_tokens,
-        block_size=args.block_size,
+        console=console,
     )

@@ -31,27 +31,16 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.instance = secrets.token_hex(4)  # makes request ids unique across server restarts
         r = self.registry
-        self.ttft = Histogram(
-            "minillm_time_to_first_token_seconds",
-            "Arrival to first token, queue wait included (s)",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+
+        def latency(name: str, documentation: str) -> Histogram:
+            return Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = latency("minillm_time_to_first_token_seconds", "Arrival to first token, queue wait included (s)")
+        self.tpot = latency(
+            "minillm_time_per_output_token_seconds", "One decode step: time between two output tokens (s)"
         )
-        self.tpot = Histogram(
-            "minillm_time_per_output_token_seconds",
-            "One decode step: time between two output tokens (s)",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "minillm_e2e_request_latency_seconds", "Arrival to last token (s)", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.queue_wait = Histogram(
-            "minillm_request_queue_time_seconds",
-            "Arrival to the worker picking it up (s)",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.e2e = latency("minillm_e2e_request_latency_seconds", "Arrival to last token (s)")
+        self.queue_wait = latency("minillm_request_queue_time_seconds", "Arrival to the worker picking it up (s)")
         self.prompt_tokens = Counter(
             "minillm_prompt_tokens",
             "Prompt tokens the model computed (prefix-cache hits not counted, a preempted request's recomputed "

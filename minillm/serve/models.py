@@ -150,6 +150,16 @@ class ModelSlot(Worker):
                     a.tracer.events.insert(0, TraceEvent("model_load", 0.0, job.load_s, facts))
 
 
+class _SlotSum:
+    """A read-only attribute of the registry: the sum of the same-named attribute over its slots (an int)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, registry, owner=None) -> int:
+        return sum(getattr(s, self.name) for s in registry.slots.values())
+
+
 class ModelRegistry:
     """The served models, their plans, and the one thread that loads, evicts and steps them.
 
@@ -243,21 +253,11 @@ class ModelRegistry:
     def next_id(self, prefix: str) -> str:
         return f"{prefix}-{self.metrics.instance}-{next(self._ids):04d}"
 
-    @property
-    def running(self) -> int:
-        return sum(s.running for s in self.slots.values())
-
-    @property
-    def waiting(self) -> int:
-        return sum(s.waiting for s in self.slots.values())
-
-    @property
-    def kv_bytes_reserved(self) -> int:
-        return sum(s.kv_bytes_reserved for s in self.slots.values())
-
-    @property
-    def kv_bytes_in_use(self) -> int:
-        return sum(s.kv_bytes_in_use for s in self.slots.values())
+    # the Worker's gauges, each the sum over the slots: requests running and waiting, KV bytes reserved and in use
+    running = _SlotSum()
+    waiting = _SlotSum()
+    kv_bytes_reserved = _SlotSum()
+    kv_bytes_in_use = _SlotSum()
 
     @property
     def planned_bytes(self) -> int:

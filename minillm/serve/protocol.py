@@ -200,20 +200,32 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatCompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every choice carries: its index and why it ended (None in a streamed chunk before the last)."""
+
     index: int = 0
+    finish_reason: str | None = None
+    minillm_stop_reason: str | None = None  # minillm's own StopReason, e.g. "timed out"
+
+
+class ChatCompletionChoice(_Choice):
     message: ChatMessageOut
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None
-    minillm_stop_reason: str | None = None  # minillm's own StopReason, e.g. "timed out"
+    finish_reason: str | None  # required in a whole response
     minillm_error: str | None = None  # e.g. why a constrained answer is not a whole document
 
 
-class ChatCompletion(BaseModel):
+class _Envelope(BaseModel):
+    """The fields every OpenAI response and chunk opens with; each subclass fixes ``object``."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class ChatCompletion(_Envelope):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
 
@@ -223,39 +235,29 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
-class ChatCompletionChunkChoice(BaseModel):
-    index: int = 0
+class ChatCompletionChunkChoice(_Choice):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    minillm_stop_reason: str | None = None
     minillm_error: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class ChatCompletionChunk(_Envelope):
+    """One streamed /v1/chat/completions event; ``usage`` only in the last (stream_options.include_usage)."""
+
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatCompletionChunkChoice]
     usage: UsageInfo | None = None
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    minillm_stop_reason: str | None = None
-
-
-class Completion(BaseModel):
+class Completion(_Envelope):
     """A /v1/completions response, and (with ``usage`` None) each streamed chunk of one."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 

@@ -30,7 +30,7 @@ from dataclasses import replace
 import minillm
 from minillm.runtime.loading import run_warmup
 from minillm.runtime.scheduler import BatchRequest, Scheduler
-from minillm.runtime.steps import prompt_text
+from minillm.runtime.steps import prepare
 
 from . import logprobs as lp
 from .events import EventBus
@@ -241,10 +241,8 @@ class Worker:
         if tracer.console is not None:
             tracer.console.rule(f"request {job.request_id}  (waited {wait * 1e3:.1f} ms in the queue)")
         try:
-            t0 = time.perf_counter()  # rendered and tokenized once: the request takes the ids (prepared=)
-            text = prompt_text(self.model, job.prompt, chat=job.chat)
-            ids = self.model.tokenizer.encode(text, add_special_tokens=not job.chat)
-            prepared, n_prompt = (text, ids, time.perf_counter() - t0), len(ids)
+            prepared = prepare(self.model, job.prompt, chat=job.chat)  # rendered, tokenized once: the request takes it
+            n_prompt = len(prepared[1])
             max_new = job.max_tokens or max(1, self.context - n_prompt)  # OpenAI's default: up to the context
             timeout = None
             if self.request_timeout_s is not None:  # the deadline counts from arrival: queue wait included
@@ -261,13 +259,13 @@ class Worker:
                 max_seq_len=max(1, min(self.context, n_prompt + max_new)),
                 stop=job.stop,
                 timeout_s=timeout,
+                prepared=prepared,
                 cancel=job.cancel,
                 fault=job.fault,
                 constraint=job.constraint,
                 speculative=job.speculative,
-                prepared=prepared,
+                step_delay_s=job.slow_motion_s,
             )
-            request.step_delay_s = job.slow_motion_s
             self.scheduler.add(request)  # refuses a request the pool could never hold (400)
         except minillm.MiniLLMError as exc:  # a request the runtime refuses: the client gets a 400
             self._remember(job, None, wait, tracer.events, note=f"{type(exc).__name__}: {exc}")

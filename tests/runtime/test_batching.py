@@ -194,6 +194,20 @@ def test_sampled_requests_with_their_own_params_and_stops(smollm2):
 
 
 # --- bad input ---------------------------------------------------------------------------------
+def test_the_default_pool_is_sized_from_the_prompts_each_tokenized_once(smollm2, monkeypatch):
+    """With no pool given, generate_batch tokenizes each prompt once (the request takes its ids as
+    ``prepared``) and sizes the pool from them before any request or sequence exists."""
+    prompts = prompts_of(smollm2, [40, 9])
+    encoded, encode = [], smollm2.tokenizer.encode
+    monkeypatch.setattr(smollm2.tokenizer, "encode", lambda text, **kw: encoded.append(text) or encode(text, **kw))
+    tracer = minillm.Tracer()
+    results = minillm.generate_batch(smollm2, prompts, max_new_tokens=[8, 4], block_size=16, tracer=tracer)
+    assert encoded == prompts
+    assert [len(r.prompt_ids) for r in results] == [40, 9] and [len(r.ids) for r in results] == [8, 4]
+    # 40 + 8 - 1 = 47 positions = 3 blocks of 16; 9 + 4 - 1 = 12 positions = 1 block: 4 in all
+    assert {e.data["blocks_total"] for e in tracer.events if e.phase == "batch_step"} == {4}
+
+
 def test_bad_batches_get_clear_errors_before_any_model_work(smollm2, monkeypatch):
     calls = []
     monkeypatch.setattr(smollm2.transformer, "forward_batch", lambda *a, **k: calls.append(1))
