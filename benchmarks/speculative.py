@@ -4,6 +4,8 @@
     python -m benchmarks.speculative --quick               # smoke run: 16 tokens, the incident only
     python -m benchmarks.speculative --drafts ngram --k 2,4,8
     python -m benchmarks.speculative --fixed               # k drafts every pass (no adaptive k)
+    python -m benchmarks.speculative --lookup-min 1        # ngram: a one-token match proposes too
+    python -m benchmarks.speculative --weight-dtype int8   # the model held at int8 (lesson 12)
 
 Workloads (greedy, ``--tokens`` new tokens each): the seed's incident report summary
 (``examples/incident.txt``: prompt lookup copies names and figures from it), a code edit (the answer
@@ -97,8 +99,11 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", type=int, default=120, help="new tokens per run (default 120)")
     p.add_argument("--drafts", default="ngram,layers:20,self-int8,self-gguf", help="comma-separated drafts")
     p.add_argument("--k", default="4", help="comma-separated tokens drafted per pass (default 4)")
+    p.add_argument("--weight-dtype", default="float32", help="how the model holds its matrices (default float32)")
     p.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1: steadier on a shared machine)")
     p.add_argument("--fixed", action="store_true", help="draft k tokens every pass (adaptive=False)")
+    p.add_argument("--lookup-min", type=int, default=2, help="ngram: shortest n-gram matched (default 2)")
+    p.add_argument("--lookup-max", type=int, default=3, help="ngram: longest n-gram matched (default 3)")
     p.add_argument("--repeat", type=int, default=3, help="runs per configuration, interleaved (default 3)")
     p.add_argument("--workloads", default="", help="comma-separated subset, e.g. 'incident summary'")
     p.add_argument("--quick", action="store_true", help="16 tokens, the incident summary only, one run each")
@@ -108,7 +113,7 @@ def main(argv=None) -> dict:
     import minillm
     from minillm.observe.metrics import cpu_snapshot, others_cpu_share
 
-    model = minillm.load(args.model, progress=False, threads=args.threads)
+    model = minillm.load(args.model, progress=False, threads=args.threads, weight_dtype=args.weight_dtype)
     tokens = 16 if args.quick else args.tokens
     chosen = workloads()
     if args.quick:
@@ -117,13 +122,16 @@ def main(argv=None) -> dict:
         chosen = {name: chosen[name] for name in args.workloads.split(",")}
     ks = [int(k) for k in args.k.split(",")]
     drafts = [d for d in args.drafts.split(",") if d]
-    report = {"model": args.model, "tokens": tokens, "threads": args.threads, "adaptive": not args.fixed, "runs": []}
+    report = {"model": args.model, "weight_dtype": args.weight_dtype, "tokens": tokens, "threads": args.threads,
+              "adaptive": not args.fixed,
+              "lookup": [args.lookup_min, args.lookup_max], "runs": []}  # fmt: skip
     print(f"{'workload':<18} {'draft':<12} {'k':>2} {'pass/tok':>8} {'alpha':>6} {'k mean':>6} {'per verify':>10} "
           f"{'formula':>7} {'decode tok/s':>12} {'speedup':>7}  same ids")  # fmt: skip
     cpu = cpu_snapshot()
     for name, prompt in chosen.items():
         labels = [("plain", 0)] + [(draft, k) for draft in drafts for k in ks]
-        configs = [None] + [minillm.Speculative(d, num_tokens=k, adaptive=not args.fixed) for d, k in labels[1:]]
+        lookup = dict(prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max, adaptive=not args.fixed)
+        configs = [None] + [minillm.Speculative(d, num_tokens=k, **lookup) for d, k in labels[1:]]
         results = run_interleaved(model, prompt, tokens, configs, args.repeat)
         plain = results[0]
         for (draft, k), r in zip(labels, results, strict=True):
