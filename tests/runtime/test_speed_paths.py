@@ -50,7 +50,7 @@ def test_the_plan_per_kernel_and_threads_is_the_measured_table():
         ("SkylakeX", 1): {1: "plain", 2: "sliced", 8: "sliced", 9: "left", 32: "left", 64: "left", 65: "plain"},
         ("SkylakeX", 2): {1: "plain", 2: "sliced", 4: "sliced", 5: "left", 8: "left", 64: "left", 65: "plain"},
         ("SkylakeX", 8): {4: "sliced", 5: "left"},  # more threads than measured: the most measured
-        ("Haswell", 1): {1: "plain", 2: "sliced_gemv", 3: "sliced_gemv", 4: "plain", 64: "plain"},
+        ("Haswell", 1): {1: "plain", 2: "sliced_gemv", 3: "sliced_gemv", 4: "left", 64: "left", 65: "plain"},
         ("Haswell", 2): {2: "sliced_gemv", 3: "plain", 8: "plain", 64: "plain"},
         ("Zen", 1): {2: "plain", 8: "plain"},  # a kernel never measured keeps NumPy's own product
         ("", 2): {2: "plain"},  # no OpenBLAS (threadpoolctl reports no architecture)
