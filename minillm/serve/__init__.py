@@ -99,7 +99,9 @@ def _add_bench_command(sub) -> None:
     b.add_argument(
         "--json", default=None, metavar="PATH", help="write the results here (default: bench-results/bench-<time>.json)"
     )
-    b.add_argument("--timeout", type=float, default=300.0, metavar="S", help="HTTP timeout per request (s, 300)")
+    b.add_argument(
+        "--timeout", type=float, default=300.0, metavar="S", help="HTTP timeout per request, s (default: %(default)s)"
+    )
     b.add_argument("--debug", action="store_true", help="show tracebacks")
     b.set_defaults(run_command=_bench)
 
