@@ -25,6 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 import rss_budget  # noqa: E402
 from helpers import release_memory  # noqa: E402
 
+# Fixtures the folders' tests share: the error cases' broken model folders (folder, no_forward, wtok) and
+# the hub tests' temporary world (env, connections).
+pytest_plugins = ["broken_folders", "fake_hub"]
+
 
 def pytest_addoption(parser):
     rss_budget.addoption(parser)

@@ -8,7 +8,8 @@
     batch_attention   a batch's decode rows over one paged pool together (``paged_decode.py``)
 
 Every form gives the same sums in another order: float32 rounding apart, the plain kernels'
-numbers (``tests/model/test_kernels.py`` holds them within 1e-5 of each other). Which form wins where
+numbers (``tests/model/test_kernels.py`` and ``test_kernels_gemma3.py`` hold the logits within the
+parity tests' tolerances of each other). Which form wins where
 is measured by ``python -m benchmarks.batching`` and ``python -m benchmarks.speed``.
 """
 

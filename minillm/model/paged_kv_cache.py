@@ -47,6 +47,12 @@ from minillm.model.paged_sequence import PagedSequence
 MIB = 2**20
 
 
+def blocks_for(positions: int, block_size: int) -> int:
+    """Blocks of ``block_size`` positions needed to hold ``positions`` positions: ``ceil(positions /
+    block_size)`` (0 for 0). The one block count of the pool, its planners and its callers."""
+    return -(-positions // block_size)
+
+
 class KVCachePool:
     """Keys and values for many sequences, in ``num_blocks`` blocks of ``block_size`` positions.
 
@@ -121,8 +127,8 @@ class KVCachePool:
         return self.num_blocks - len(self.free_blocks)
 
     def blocks_for(self, positions: int) -> int:
-        """Blocks needed to hold ``positions`` positions: ``ceil(positions / block_size)``."""
-        return -(-positions // self.block_size)
+        """Blocks needed to hold ``positions`` positions in this pool (:func:`blocks_for`)."""
+        return blocks_for(positions, self.block_size)
 
     # --- addresses: where a position's key and value live -----------------------------------------
     def slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:

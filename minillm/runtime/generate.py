@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 
 from minillm.errors import InvalidRequestError
-from minillm.model.paged_kv_cache import MIB, KVCachePool, check_block_size
+from minillm.model.paged_kv_cache import MIB, KVCachePool, blocks_for, check_block_size
 from minillm.runtime import steps
 from minillm.runtime.loading import Model
 from minillm.runtime.request import GenerationResult, Request
@@ -244,7 +244,7 @@ def _pool_for(model: Model, prepared: list, budgets: list[int], kwargs: list[dic
         blocks = 0
         for (_, ids, _), m, kw in zip(prepared, budgets, kwargs, strict=True):
             positions = min(kw.get("max_seq_len") or context, len(ids) + m - 1)
-            blocks += -(-positions // block_size)
+            blocks += blocks_for(positions, block_size)
         kv_cache_mib = blocks * block_size * model.config.kv_bytes_per_token() / MIB
     return KVCachePool.for_model(model.config, kv_cache_mib, block_size)
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 from minillm.errors import InvalidRequestError, MemoryBudgetError
 from minillm.model.config import MlpKind, ModelConfig, NormKind, PositionKind
+from minillm.model.paged_kv_cache import blocks_for
 from minillm.runtime.overhead import measured_overhead, rss_bytes, trim_heap  # noqa: F401  (re-exported)
 
 MIB, GIB = 2**20, 2**30
@@ -256,7 +257,7 @@ def make_plan(
     per_block = per_token * block_size
     act = activation_bytes(config, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, context=context)
     fixed = sum(weights.values()) + act + tokenizer + runtime
-    one_request = -(-context // block_size) * per_block
+    one_request = blocks_for(context, block_size) * per_block
     if kv_cache_mib is None and budget is None:
         kv_cache_mib = 512.0
     if kv_cache_mib is not None:

@@ -27,14 +27,7 @@ from minillm.model.weights import load_weights
 from minillm.runtime import sampling
 from minillm.runtime.drafts import Draft, NgramDraft
 from minillm.runtime.loading import Model
-from minillm.runtime.speculative import (
-    Speculative,
-    acceptance_probability,
-    distribution,
-    next_k,
-    residual,
-    verify,
-)
+from minillm.runtime.speculative import Speculative, acceptance_probability, distribution, next_k, residual, verify
 from minillm.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from test_serve import metrics, running_server
+from servers import metrics, running_server
 
 from minillm.serve.events import EventBus, TooManySubscribers
 

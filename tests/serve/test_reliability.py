@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serve import MODEL, free_port, metrics, wait_for
+from servers import MODEL, free_port, metrics, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from helpers import stepped_worker
 from scripted import chain_model, word_tokenizer_folder
-from test_serve_metrics import counts
+from servers import counts
 
 from minillm.serve.app import create_app
 from minillm.text.tokenizer import Tokenizer

@@ -5,30 +5,13 @@ from __future__ import annotations
 
 import pytest
 from helpers import finish, job, stepped_worker
+from servers import counts
 
 import minillm
 from minillm.serve.worker import QueueFullError
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 LONG = PROMPT + " an old fisherman and his daughter, who walked down to the harbour every morning to watch the boats."
-
-
-def counts(worker) -> dict:
-    """The counters as /metrics shows them: finished by reason, rejected, prompt and generated tokens."""
-    reg = worker.metrics.registry
-    finished = {
-        s.labels["reason"]: s.value
-        for m in reg.collect()
-        if m.name == "minillm_request_finished"
-        for s in m.samples
-        if s.name.endswith("_total")
-    }
-    return {
-        "finished": finished,
-        "rejected": reg.get_sample_value("minillm_request_rejected_total"),
-        "prompt": reg.get_sample_value("minillm_prompt_tokens_total"),
-        "generated": reg.get_sample_value("minillm_generation_tokens_total"),
-    }
 
 
 def n_prompt(model, prompt=PROMPT) -> int:

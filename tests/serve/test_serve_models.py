@@ -13,7 +13,7 @@ import threading
 
 import httpx
 import pytest
-from test_serve import metrics, running_server
+from servers import metrics, running_server
 
 pytestmark = pytest.mark.slow
 A, B = "smollm2-135m-instruct", "smollm2-135m-instruct:int8"

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
-from test_serve import MODEL, metrics, running_server
+from servers import MODEL, metrics, running_server
 
 pytestmark = pytest.mark.slow
 COMMA = 28

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_serve import metrics
+from servers import metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ is not installed
 from benchmarks import ui_page  # noqa: E402

@@ -1,21 +1,15 @@
 """plan_files.py: a memory plan reads config.json and the tokenizer, and never fetches or converts weights.
 
-The temporary world of test_hub.py (a fake manifest, fake pip and converter, a closed hub port):
+The temporary world of the hub tests (tests/support/fake_hub.py) (a fake manifest, fake pip and converter, a closed hub port):
 each test spies on every TCP connection and counts pip and converter runs.
 """
 
 from __future__ import annotations
 
-import pytest
-from test_hub import HUB_FILES, Env, connections  # noqa: F401  (connections: a fixture)
+from fake_hub import HUB_FILES
 
 from minillm.sources import hub
 from minillm.sources.plan_files import plan_folder
-
-
-@pytest.fixture
-def env(tmp_path, monkeypatch) -> Env:
-    return Env(tmp_path, monkeypatch)
 
 
 def no_fetch(monkeypatch):

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import jinja2
 import pytest
+from npm_packages import npm_pack
 
 from minillm.errors import ChatTemplateError
 from minillm.text.tokenizer import Tokenizer
-from npm_packages import npm_pack
 
 pytestmark = pytest.mark.reference
 

