@@ -80,9 +80,9 @@ def step_bounds(
 
 
 def matrices(model) -> list[np.ndarray]:
-    """Every matrix a decode step multiplies by: each layer's projections, then the LM head."""
-    out = [a for layer in model.transformer.weights.layers for a in layer.projections()]
-    return [*out, model.transformer.weights.lm_head]
+    """Every float32 matrix a decode step multiplies by: each layer's projections, then the LM head."""
+    out = [a.dense for layer in model.transformer.weights.layers for a in layer.projections()]
+    return [*out, model.transformer.weights.lm_head.dense]
 
 
 # --- measurements ----------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def prefill_vs_gemm(model, tokens: int, repeats: int, square_gflop_s: float) -> 
         T.forward(ids, cache, last_only=True)
         return time.perf_counter() - t0
 
-    layer = list(T.weights.layers[0].projections())
+    layer = [w.dense for w in T.weights.layers[0].projections()]  # float32 [out, in] each
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal((tokens, w.shape[1]), dtype=np.float32) for w in layer]
 

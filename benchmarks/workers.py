@@ -287,7 +287,7 @@ def weights_pass_seconds(weights, repeats: int) -> list[float]:
     NumPy decode step over these float32 weights can be on this BLAS and memory."""
     from minillm.model.primitives import linear
 
-    matrices = [w for layer in weights.layers for w in layer.projections()] + [weights.lm_head]
+    matrices = [w.dense for layer in weights.layers for w in layer.projections()] + [weights.lm_head.dense]
     inputs = [np.ones((1, w.shape[1]), dtype=np.float32) for w in matrices]  # [1, in]
 
     def one_pass():

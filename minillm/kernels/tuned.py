@@ -21,6 +21,7 @@ from minillm.kernels import products
 from minillm.kernels.attention import ATTENTION_CHUNK, attention_in_chunks
 from minillm.kernels.paged_decode import GroupedAttention
 from minillm.model.batch import Attend
+from minillm.model.held import HeldMatrix
 from minillm.model.kernels import Kernels
 
 
@@ -31,25 +32,31 @@ class TunedKernels(Kernels):
     source = "minillm/kernels"
 
     def linear(
-        self, x: np.ndarray, w, b: np.ndarray | None = None, *, projection: str | None = None, batched: bool = False
+        self, x: np.ndarray, w: HeldMatrix, b: np.ndarray | None = None, *, projection: str | None = None, batched=False
     ) -> np.ndarray:
-        """``x @ w.T (+ b)`` as :class:`Kernels.linear`, a float32 array's product in the formulation
+        """``x @ w.T (+ b)`` as :class:`Kernels.linear`, a float32 matrix's product in the formulation
         the plan names: few-rows for 2 to ``FEW_ROWS`` rows when ``batched``, ``left`` for a prefill
         of a projection ``PREFILL_LEFT`` lists (its column-major result kept: no copy)."""
-        if isinstance(w, tuple):  # memory-mapped parts: each a float32 array, each its own product
-            y = np.concatenate([self.linear(x, part, batched=batched) for part in w], axis=-1)
-        elif not isinstance(w, np.ndarray):  # a held matrix: its own chunked product
+        parts = w.parts()
+        if any(part.dense is None for part in parts):  # a compact format: its own chunked product
             y = w.linear(x)
-        elif batched and 1 < x.shape[0] <= products.FEW_ROWS:
-            y = products.few_rows_product(x, w)  # [rows, out]
+        elif len(parts) > 1:  # memory-mapped parts: each a float32 array, each its own product
+            y = np.concatenate([self._product(x, part.dense, batched) for part in parts], axis=-1)
         elif projection is not None and products.prefill_formulation(projection, x.shape[0]) == "left":
-            y = products.left(x, w)  # [rows, out], column-major
+            y = products.left(x, w.dense)  # [rows, out], column-major
             return y if b is None else y + b
         else:
-            y = x @ w.T
+            y = self._product(x, w.dense, batched)
         if b is not None:
             y += b
         return y
+
+    @staticmethod
+    def _product(x: np.ndarray, w: np.ndarray, batched: bool) -> np.ndarray:
+        """A float32 ``[rows, in] @ [in, out]``: the few-rows plan inside a batched pass, else ``x @ w.T``."""
+        if batched and 1 < x.shape[0] <= products.FEW_ROWS:
+            return products.few_rows_product(x, w)  # [rows, out]
+        return x @ w.T
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
         """:class:`Kernels.attention`, in causal chunks above ``ATTENTION_CHUNK`` query rows."""

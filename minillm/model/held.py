@@ -1,22 +1,26 @@
-"""Held matrices: a weight matrix kept in a compact format, turned into float32 right before its product.
+"""Held matrices: every weight matrix behind one interface, however it is kept in memory.
 
 Precision is a property of how a matrix is held, not of the math: the forward pass multiplies
 float32 activations by float32 rows either way. What changes is what sits in memory between
 tokens, and what each product pays to get float32 rows back::
 
     weight_dtype   held as                                  float32 rows at use
-    float32        np.ndarray float32 [rows, cols]          (none: the array itself)
+    float32        Float32Matrix: the float32 array itself  (none: the array itself)
     bfloat16       ml_dtypes.bfloat16 [rows, cols]          top 16 bits of float32 -> shift left 16
     int8           int8 [rows, cols] + float32 scale [rows] q * scale (scale applied after the product)
     gguf           uint8 [rows, row_bytes] in GGUF blocks   quant.dequantize (Q4_1, Q4_K, ...)
 
-A float32 matrix stays a plain ``np.ndarray`` (the kernels' ``linear``, ``kernels.py``, multiplies
-it as it is, so float32 speed is what it was). The others are :class:`HeldMatrix` objects. Their product
-runs in chunks of rows: dequantize ``CHUNK_VALUES`` values (1 MiB of float32, small enough to stay
-in the CPU's cache), multiply, move on. So the float32 copy of a matrix never exists whole (a
-Gemma 3 LM head would be 640 MiB), and each chunk is read from the cache while still warm. Even so
-NumPy writes and re-reads every value once more than the float32 product does; llama.cpp fuses the
-dequantization into the dot product instead (lesson 12 measures both).
+Every matrix answers the same calls: ``linear(x)`` (``x @ W.T``), ``take(ids)`` (an embedding
+lookup), ``rows(start, stop)``, ``parts()``, ``shape``, ``size``, ``nbytes``, ``format``. A float32
+matrix's ``linear`` is the textbook's product on the page, ``x @ w.T``, and its ``dense`` is the
+array itself (the engine room's faster formulations of the same product need it; the compact
+formats have none). A memory-mapped load's q|k|v (or gate|up) is a :class:`StackedMatrix` of the
+file's separate float32 matrices. The compact formats' products run in chunks of rows: dequantize
+``CHUNK_VALUES`` values (1 MiB of float32, small enough to stay in the CPU's cache), multiply, move
+on. So the float32 copy of a matrix never exists whole (a Gemma 3 LM head would be 640 MiB), and
+each chunk is read from the cache while still warm. Even so NumPy writes and re-reads every value
+once more than the float32 product does; llama.cpp fuses the dequantization into the dot product
+instead (lesson 12 measures both).
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ CHUNK_VALUES = 1 << 18  # values dequantized at a time in a product: 1 MiB of fl
 
 
 class HeldMatrix:
-    """A ``[rows, cols]`` matrix in a compact format. Subclasses give :meth:`rows` (float32 rows)."""
+    """A ``[rows, cols]`` weight matrix, held one way or another. Subclasses give :meth:`rows` (float32 rows)."""
 
-    format: str  # "bfloat16", "int8", or a GGUF type name ("Q4_1", "Q8_0", ...)
+    format: str  # "float32", "bfloat16", "int8", or a GGUF type name ("Q4_1", "Q8_0", ...)
     shape: tuple[int, int]
+    #: The float32 array itself, for a product that needs one (``Float32Matrix``); None when the
+    #: matrix is held in a compact format (its rows are made at use) or in parts.
+    dense: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -80,6 +87,36 @@ class HeldMatrix:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.format}, shape={self.shape}, nbytes={self.nbytes:,})"
+
+
+class Float32Matrix(HeldMatrix):
+    """float32 as it is: the ``[rows, cols]`` array (a copy carved at load, or a read-only view of the
+    file with ``mmap``), multiplied as it is, ``x @ w.T``. ``np.asarray`` gives the array (no copy)."""
+
+    format = "float32"
+
+    def __init__(self, w: np.ndarray):
+        self.dense = w  # [rows, cols] float32
+        self.shape = w.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.dense.nbytes
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        return self.dense[start:stop]
+
+    def take(self, ids: np.ndarray) -> np.ndarray:
+        return self.dense[ids]
+
+    def linear(self, x: np.ndarray) -> np.ndarray:
+        return primitives.linear(x, self.dense)  # [seq, cols] @ [cols, rows] -> [seq, rows]
+
+    def to_float32(self) -> np.ndarray:
+        return self.dense
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return self.dense if dtype is None else self.dense.astype(dtype)
 
 
 class BFloat16Matrix(HeldMatrix):
@@ -184,20 +221,10 @@ class StackedMatrix(HeldMatrix):
         return np.concatenate([p.linear(x) for p in self._parts], axis=-1)  # [seq, rows]
 
 
-#: weight_dtype -> how a float32 matrix is held (float32: kept as the array itself).
-HOLDERS = {"bfloat16": BFloat16Matrix, "int8": Int8Matrix}
+#: weight_dtype -> how a float32 matrix is held.
+HOLDERS = {"float32": Float32Matrix, "bfloat16": BFloat16Matrix, "int8": Int8Matrix}
 
 
-def hold(w: np.ndarray, weight_dtype: str) -> np.ndarray | HeldMatrix:
-    """A float32 ``[rows, cols]`` matrix held at ``weight_dtype`` (``"float32"``: ``w`` itself)."""
-    return w if weight_dtype == "float32" else HOLDERS[weight_dtype](w)
-
-
-def linear(x: np.ndarray, w: np.ndarray | HeldMatrix) -> np.ndarray:
-    """``x @ w.T`` for a float32 array or a held matrix: ``[seq, cols]`` -> ``[seq, rows]``."""
-    return primitives.linear(x, w) if isinstance(w, np.ndarray) else w.linear(x)
-
-
-def embed(ids: np.ndarray, table: np.ndarray | HeldMatrix) -> np.ndarray:
-    """Rows ``ids`` of an embedding table, float32 ``[seq, d_model]``, whichever way it is held."""
-    return table[ids] if isinstance(table, np.ndarray) else table.take(ids)
+def hold(w: HeldMatrix, weight_dtype: str) -> HeldMatrix:
+    """A float32 matrix ``w`` held at ``weight_dtype`` (``"float32"``: ``w`` itself)."""
+    return w if weight_dtype == w.format else HOLDERS[weight_dtype](w.to_float32())

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from minillm.model import held, primitives
+from minillm.model import primitives
 from minillm.model.batch import Attend, BatchAttention
+from minillm.model.held import HeldMatrix
 
 
 class Kernels:
@@ -32,20 +33,17 @@ class Kernels:
     source = "minillm/model"
 
     def linear(
-        self, x: np.ndarray, w, b: np.ndarray | None = None, *, projection: str | None = None, batched: bool = False
+        self, x: np.ndarray, w: HeldMatrix, b: np.ndarray | None = None, *, projection: str | None = None, batched=False
     ) -> np.ndarray:
         """``x @ w.T (+ b)``: ``x`` float32 ``[rows, in]``, ``w`` ``[out, in]`` -> ``[rows, out]`` float32.
 
-        ``w`` is a float32 array, a held matrix (``held.py``: its own chunked product), or a
-        memory-mapped projection's tuple of matrices (one product each, side by side). ``projection``
+        ``w`` is a held matrix (``held.py``): float32 (``x @ w.T`` on the page), a compact format (its
+        own chunked product), or a memory-mapped projection's parts (one product each, side by side). ``projection``
         (``"qkv"``, ``"o"``, ``"gate_up"``, ``"up"``, ``"down"``, ``"lm_head"``) and ``batched``
         (the rows are several sequences') tell a tuned form which product this is; the plain one
         ignores them.
         """
-        if isinstance(w, tuple):  # memory-mapped: q, k, v (or gate, up) as the file keeps them
-            y = np.concatenate([held.linear(x, part) for part in w], axis=-1)  # [rows, out]
-        else:
-            y = held.linear(x, w)  # [rows, in] @ [in, out] -> [rows, out], however w is held
+        y = w.linear(x)  # [rows, in] @ [in, out] -> [rows, out], however w is held
         if b is not None:
             y += b  # in place: the product is a fresh array
         return y

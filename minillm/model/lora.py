@@ -374,7 +374,7 @@ def _base_model_notes(adapter: LoraAdapter, model_names: tuple[str, ...]) -> lis
 def merge(adapter: LoraAdapter, weights: Weights) -> None:
     """Fold the adapter into the base weights for good: ``W[rows] += scaling * B @ A``."""
     for delta in adapter.deltas:
-        w = getattr(weights.layers[delta.layer], delta.weight)  # [out, in], a fresh array at load
+        w = getattr(weights.layers[delta.layer], delta.weight).dense  # [out, in] float32: a fresh array at load
         w[delta.rows] += delta.product()
     adapter.mode = "merged"
 

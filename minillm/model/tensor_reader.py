@@ -18,6 +18,7 @@ import numpy as np
 from minillm.errors import WeightsError
 from minillm.model.config import ModelConfig
 from minillm.model.families import CONV1D_FAMILIES, NAME_MAPS, OPTIONAL_PREFIX
+from minillm.model.held import Float32Matrix, StackedMatrix
 from minillm.sources.safetensors_file import StoredTensor, dtype_name, itemsize, read_safetensors_header
 
 
@@ -129,26 +130,26 @@ class TensorReader:
             return self.take(key, (in_dim, out_dim), i).T
         return self.take(key, (out_dim, in_dim), i)  # nn.Linear: already [out, in]
 
-    def matrix(self, i: int, in_dim: int, *pieces: tuple[str, int]) -> np.ndarray | tuple[np.ndarray, ...]:
+    def matrix(self, i: int, in_dim: int, *pieces: tuple[str, int]) -> Float32Matrix | StackedMatrix:
         """The projection stacking ``pieces`` ``(key, out_dim)`` row-wise: carved from the block and
-        filled (eager), or the file's own matrices side by side (mapped)."""
+        filled (eager), or the file's own matrices stacked side by side (mapped)."""
         if self.mmap:
-            views = tuple(self.linear(key, in_dim, out_dim, i) for key, out_dim in pieces)
-            return views[0] if len(views) == 1 else views
+            views = [Float32Matrix(self.linear(key, in_dim, out_dim, i)) for key, out_dim in pieces]
+            return views[0] if len(views) == 1 else StackedMatrix(views)
         out = self.block.carve(sum(n for _, n in pieces), in_dim)
         row = 0
         for key, out_dim in pieces:
             out[row : row + out_dim] = self.linear(key, in_dim, out_dim, i)
             row += out_dim
-        return out
+        return Float32Matrix(out)
 
-    def table(self, key: str, rows: int, cols: int) -> np.ndarray:
+    def table(self, key: str, rows: int, cols: int) -> Float32Matrix:
         """A ``[rows, cols]`` table (the embedding, an untied LM head): carved and filled, or a view of the file."""
         if self.mmap:
-            return self.take(key, (rows, cols))
+            return Float32Matrix(self.take(key, (rows, cols)))
         out = self.block.carve(rows, cols)
         out[...] = self.take(key, (rows, cols))
-        return out
+        return Float32Matrix(out)
 
     def norm(self, key: str, dim: int, i: int | None = None) -> np.ndarray:
         """A norm's weight ``[dim]``, Gemma's ``1 +`` folded in."""

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from minillm.errors import InvalidRequestError
-from minillm.model import held, primitives
+from minillm.model import primitives
 from minillm.model.batch import Attend
 from minillm.model.config import ModelConfig
 from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
@@ -204,7 +204,7 @@ class Transformer:
     def embed(self, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Token ids ``[seq]`` at absolute ``positions`` ``[seq]`` -> the residual stream ``[seq, d_model]``."""
         cfg, w = self.config, self.weights
-        x = held.embed(token_ids, w.embed_tokens)  # [seq, d_model], float32 however the table is held
+        x = w.embed_tokens.take(token_ids)  # [seq, d_model], float32 however the table is held
         if cfg.embed_scale is not None:  # Gemma: sqrt(d_model), in the activation dtype (float32)
             x = x * np.float32(cfg.embed_scale)
         if cfg.position_embedding is PositionKind.LEARNED:  # GPT-2: a learned vector per absolute position

@@ -42,19 +42,20 @@ from minillm.sources.safetensors_file import weight_files
 
 @dataclass
 class LayerWeights:
-    """One decoder block, float32. Shapes: d_model = hidden_size, ffn = intermediate_size; every
-    projection is ``[out, in]`` (``torch.nn.Linear``'s layout).
+    """One decoder block. Shapes: d_model = hidden_size, ffn = intermediate_size; every projection is
+    a held matrix (``held.py``: float32 or a compact format) ``[out, in]`` (``torch.nn.Linear``'s
+    layout); norms and biases are float32 arrays.
 
     The optional fields are None in families that lack them.
     """
 
     attn_norm: np.ndarray  # [d_model]
-    w_qkv: np.ndarray  # [q_dim + 2 * kv_dim, d_model]   (q | k | v rows)
-    w_o: np.ndarray  # [d_model, q_dim]
+    w_qkv: HeldMatrix  # [q_dim + 2 * kv_dim, d_model]   (q | k | v rows)
+    w_o: HeldMatrix  # [d_model, q_dim]
     mlp_norm: np.ndarray  # [d_model]  (Gemma: pre_feedforward_layernorm)
-    w_down: np.ndarray  # [d_model, ffn]
-    w_gate_up: np.ndarray | None = None  # [2 * ffn, d_model] (gate | up rows), gated MLPs
-    w_up: np.ndarray | None = None  # [ffn, d_model], plain MLP (GPT-2)
+    w_down: HeldMatrix  # [d_model, ffn]
+    w_gate_up: HeldMatrix | None = None  # [2 * ffn, d_model] (gate | up rows), gated MLPs
+    w_up: HeldMatrix | None = None  # [ffn, d_model], plain MLP (GPT-2)
     attn_norm_bias: np.ndarray | None = None  # [d_model], LayerNorm (GPT-2)
     mlp_norm_bias: np.ndarray | None = None  # [d_model], LayerNorm (GPT-2)
     b_qkv: np.ndarray | None = None  # [q_dim + 2 * kv_dim] (GPT-2, Qwen 2)
@@ -71,13 +72,11 @@ class LayerWeights:
     lora: dict[str, list] = field(default_factory=dict)
 
     def arrays(self):
-        """Yield every parameter array or held matrix of the block (skipping the absent ones; adapters
-        not counted)."""
-        for ffn in fields(self):
-            if isinstance(a := getattr(self, ffn.name), (np.ndarray, HeldMatrix)):
+        """Yield every parameter of the block, each norm or bias array and each held matrix (skipping
+        the absent ones; adapters, the ``lora`` field, not counted)."""
+        for f in fields(self):
+            if f.name != "lora" and (a := getattr(self, f.name)) is not None:
                 yield a
-            elif isinstance(a, tuple):  # a memory-mapped projection: its parts
-                yield from a
 
     def project(self, name: str, x: np.ndarray, kernels: Kernels = PLAIN, *, batched: bool = False) -> np.ndarray:
         """``x @ W.T (+ b)`` for projection ``name`` (``"qkv"``, ``"o"``, ``"gate_up"``, ``"up"``,
@@ -87,7 +86,7 @@ class LayerWeights:
 
         The product is ``kernels.linear`` (``kernels.py``; the model's kernels, plain by default),
         told the projection's name and whether the rows are a batch's (``batched``). However the
-        matrix is held (a float32 array, ``held.py``'s formats, a memory-mapped tuple of parts),
+        matrix is held (``held.py``: float32, a compact format, a memory-mapped load's parts),
         ``linear`` takes it.
         """
         weight, bias = _PROJECTIONS[name]
@@ -100,7 +99,7 @@ class LayerWeights:
     def projections(self):
         """Yield the block's matrices, the ones a token's matrix products stream through:
         ``w_qkv``, ``w_o``, ``w_gate_up`` (or GPT-2's ``w_up``), ``w_down`` (a memory-mapped
-        load's fused ones as tuples of the file's matrices: :func:`parts` lists them)."""
+        load's fused ones stacked from the file's matrices: their ``parts()`` list them)."""
         for a in (self.w_qkv, self.w_o, self.w_gate_up, self.w_up, self.w_down):
             if a is not None:
                 yield a
@@ -110,22 +109,16 @@ class LayerWeights:
 _PROJECTIONS = {name: ("w_" + name, "b_" + name) for name in ("qkv", "o", "gate_up", "up", "down")}
 
 
-def parts(matrix: np.ndarray | tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-    """The matrices a projection is made of: itself, or a memory-mapped load's separate ones
-    (q, k, v or gate, up: the file keeps them apart and a map cannot fuse them without a copy)."""
-    return matrix if isinstance(matrix, tuple) else (matrix,)
-
-
 @dataclass
 class Weights:
-    """All parameters, plus bookkeeping for the trace. At ``weight_dtype="float32"`` every matrix is
-    a float32 array; otherwise the matrices (embedding included) are :class:`~minillm.model.held.HeldMatrix`
-    objects and the norms (and biases) stay float32 arrays."""
+    """All parameters, plus bookkeeping for the trace. Every matrix (embedding and LM head included) is a
+    :class:`~minillm.model.held.HeldMatrix`: a ``Float32Matrix`` at ``weight_dtype="float32"``, else the
+    compact format's; the norms (and biases) stay float32 arrays."""
 
-    embed_tokens: np.ndarray  # [vocab, d_model]
+    embed_tokens: HeldMatrix  # [vocab, d_model]
     layers: list[LayerWeights]
     final_norm: np.ndarray  # [d_model]
-    lm_head: np.ndarray  # [vocab, d_model]; the very array embed_tokens when tied
+    lm_head: HeldMatrix  # [vocab, d_model]; the very matrix embed_tokens when tied
     pos_embed: np.ndarray | None = None  # [max_positions, d_model], learned positions (GPT-2)
     final_norm_bias: np.ndarray | None = None  # [d_model], LayerNorm (GPT-2)
     stored_dtypes: Counter = field(default_factory=Counter)  # {"bfloat16": n_params, ...} as on disk
@@ -151,8 +144,6 @@ class Weights:
     @property
     def tied(self) -> bool:
         """True when the LM head is the embedding itself (one matrix, counted once)."""
-        if isinstance(self.lm_head, np.ndarray) and isinstance(self.embed_tokens, np.ndarray):
-            return np.shares_memory(self.lm_head, self.embed_tokens)
         return self.lm_head is self.embed_tokens
 
     @property
@@ -166,13 +157,13 @@ class Weights:
         return sum(a.nbytes for a in self.arrays())
 
     def formats(self) -> dict[str, tuple[int, int]]:
-        """``{format: (parameters, bytes)}`` as held now: ``"float32"`` for arrays (norms, and every
-        matrix at float32), else each held matrix's format (``"int8"``, ``"Q4_1"``, ``"Q8_0"``, ...),
-        the parts of a stacked q|k|v each under its own."""
+        """``{format: (parameters, bytes)}`` as held now: ``"float32"`` for arrays (norms) and float32
+        matrices, else each held matrix's format (``"int8"``, ``"Q4_1"``, ``"Q8_0"``, ...), the parts
+        of a stacked q|k|v each under its own."""
         out: Counter = Counter()
         sizes: Counter = Counter()
         for a in self.arrays():
-            for part in a.parts() if isinstance(a, HeldMatrix) else [a]:
+            for part in a.parts() if isinstance(a, HeldMatrix) else [a]:  # a matrix's parts, or a norm
                 name = str(part.dtype)
                 out[name] += part.size
                 sizes[name] += part.nbytes

@@ -347,10 +347,8 @@ def machine(*, remeasure: bool = False, on_measure=None) -> Machine:
 def model_sizes(model) -> dict[str, int]:
     """The numbers the expectations use: bytes of the matrices a token streams through (every
     projection and the LM head), parameters in them, bytes of every weight, layers, sizes."""
-    from minillm.model.weights import parts
-
     w, cfg = model.transformer.weights, model.config
-    matrices = [p for layer in w.layers for m in layer.projections() for p in parts(m)]
+    matrices = [p for layer in w.layers for m in layer.projections() for p in m.parts()]
     layer_params = sum(m.size for m in matrices)
     return {
         "layer_params": layer_params,
@@ -363,23 +361,28 @@ def model_sizes(model) -> dict[str, int]:
     }
 
 
-def expected_prefill_s(sizes: dict, machine: Machine, tokens: int) -> float:
+def expected_prefill_s(sizes: dict, machine: Machine, tokens: int, products_s_per_byte: float | None = None) -> float:
     """Seconds a prefill of ``tokens`` should take: the layers' products at ``tokens`` rows (the
     slower of streaming their bytes at that row count and their FLOPs at the GEMM rate), attention
     (``4 tokens^2 q_dim`` FLOPs per layer: scores and weighted sum), the LM head for the last
-    position (a matrix-vector product), and the per-call overhead."""
+    position (a matrix-vector product), and the per-call overhead. Streaming is slowed by as much
+    as the model's own products are slower than the machine's matrix (``products_rate.py``)."""
+    slower = max(1.0, (products_s_per_byte or 0.0) / machine.s_per_byte(1))
     layer_bytes = 4 * sizes["layer_params"]
-    products = max(layer_bytes * machine.s_per_byte(tokens), 2 * tokens * sizes["layer_params"] / machine.gemm_flop_s)
+    streamed = layer_bytes * machine.s_per_byte(tokens) * slower
+    products = max(streamed, 2 * tokens * sizes["layer_params"] / machine.gemm_flop_s)
     attention = sizes["layers"] * 4 * tokens * tokens * sizes["q_dim"] / machine.gemm_flop_s
-    head = 4 * sizes["head_params"] * machine.s_per_byte(1)
+    head = 4 * sizes["head_params"] * machine.s_per_byte(1) * slower
     return products + attention + head + sizes["layers"] * CALLS_PER_LAYER * machine.call_s
 
 
-def expected_tpot_s(sizes: dict, machine: Machine, context: float) -> float:
+def expected_tpot_s(sizes: dict, machine: Machine, context: float, products_s_per_byte: float | None = None) -> float:
     """Seconds one decode step at ``context`` cached positions should take: stream every matrix
-    once (bandwidth bound) and read the cache's keys and values, plus the per-call overhead."""
-    streamed = sizes["matmul_bytes"] + sizes["kv_bytes_per_token"] * context
-    return streamed * machine.s_per_byte(1) + sizes["layers"] * CALLS_PER_LAYER * machine.call_s
+    once (bandwidth bound; at the model's own products' rate where it is slower, see
+    ``products_rate.py``) and read the cache's keys and values, plus the per-call overhead."""
+    per_byte = max(machine.s_per_byte(1), products_s_per_byte or 0.0)
+    streamed = sizes["matmul_bytes"] * per_byte + sizes["kv_bytes_per_token"] * context * machine.s_per_byte(1)
+    return streamed + sizes["layers"] * CALLS_PER_LAYER * machine.call_s
 
 
 def expected_load_s(model, machine: Machine) -> float:

@@ -8,6 +8,7 @@ from typing import Any
 from minillm.observe import calibrate
 from minillm.observe.diagnosis import diagnose
 from minillm.observe.metrics import blas_threads, held_weight_table, kv_memory_table, weight_memory_table
+from minillm.observe.products_rate import products_s_per_byte
 
 
 def expectations(model, metrics) -> tuple[dict[str, float], dict[str, Any]]:
@@ -20,11 +21,12 @@ def expectations(model, metrics) -> tuple[dict[str, float], dict[str, Any]]:
     machine, measured_now = calibrate.machine_cached()
     steps = len(metrics.decode_step_s)
     context = metrics.prompt_tokens + (steps + 1) / 2  # mean positions a decode step reads
+    rate = products_s_per_byte(model)  # the model's own matrices, as decode streams them
     expected = {
         "loading": calibrate.expected_load_s(model, machine),
-        "prefill": calibrate.expected_prefill_s(sizes, machine, metrics.prompt_tokens),
-        "prefill_one_token": calibrate.expected_prefill_s(sizes, machine, 1),
-        "decode": calibrate.expected_tpot_s(sizes, machine, context),
+        "prefill": calibrate.expected_prefill_s(sizes, machine, metrics.prompt_tokens, rate),
+        "prefill_one_token": calibrate.expected_prefill_s(sizes, machine, 1, rate),
+        "decode": calibrate.expected_tpot_s(sizes, machine, context, rate),
     }
     note = {
         "measured_now": measured_now,

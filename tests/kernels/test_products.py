@@ -13,6 +13,7 @@ import pytest
 
 from minillm.kernels import products
 from minillm.kernels.tuned import TUNED
+from minillm.model.held import Float32Matrix, Int8Matrix, StackedMatrix
 
 # SmolLM2-135M's matrices ([out, in]): q|k|v fused, o, gate|up fused, down, and a slice of the LM
 # head's shape (rows not a multiple of a slice, so the last slice is short).
@@ -64,12 +65,13 @@ def test_the_plan_per_kernel_and_threads_is_the_measured_table():
 def test_linear_takes_the_plan_only_inside_a_batched_pass(monkeypatch):
     seen = []
     monkeypatch.setattr(products, "few_rows_product", lambda x, w: seen.append(x.shape[0]) or x @ w.T)
-    x, w = np.ones((8, 4), np.float32), np.ones((3, 4), np.float32)
+    x, w = np.ones((8, 4), np.float32), Float32Matrix(np.ones((3, 4), np.float32))
     TUNED.linear(x, w)  # one sequence's forward: the plain product, as lesson 1 measured
     TUNED.linear(x, w, batched=True)  # 8 rows in a batched pass: the plan
     TUNED.linear(x[:1], w, batched=True)  # one row: a matrix-vector product either way
     TUNED.linear(np.ones((65, 4), np.float32), w, batched=True)  # more than FEW_ROWS: the plain product
-    TUNED.linear(x, (w, w), batched=True)  # a memory-mapped projection's parts: each by the plan
+    TUNED.linear(x, StackedMatrix([w, w]), batched=True)  # a memory-mapped projection's parts: each by the plan
+    TUNED.linear(x, Int8Matrix(w.dense), batched=True)  # a compact format: its own chunked product
     assert seen == [8, 8, 8]
 
 

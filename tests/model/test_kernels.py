@@ -18,6 +18,7 @@ from helpers import batched_decode_logits
 import minillm
 from minillm.errors import InvalidRequestError
 from minillm.kernels import products
+from minillm.model.held import BFloat16Matrix, Float32Matrix, Int8Matrix, StackedMatrix
 from minillm.kernels.tuned import TUNED, TunedKernels
 from minillm.model.kernels import PLAIN, Kernels
 from minillm.model.paged_kv_cache import KVCachePool
@@ -46,16 +47,20 @@ def test_load_refuses_an_unknown_kernels_choice_naming_both():
 def test_plain_linear_is_x_w_t_for_every_holder():
     rng = np.random.default_rng(0)
     x, w, b = (rng.standard_normal(s, dtype=np.float32) for s in ((5, 8), (6, 8), (6,)))
-    assert np.array_equal(PLAIN.linear(x, w, b), x @ w.T + b)
-    parts = PLAIN.linear(x, (w[:2], w[2:]))  # a memory-mapped projection: its parts side by side
+    assert np.array_equal(PLAIN.linear(x, Float32Matrix(w), b), x @ w.T + b)  # the page's x @ w.T, bit for bit
+    stacked = StackedMatrix([Float32Matrix(w[:2]), Float32Matrix(w[2:])])  # a memory-mapped projection's parts
+    parts = PLAIN.linear(x, stacked)
     assert parts.shape == (5, 6) and np.array_equal(parts, np.concatenate([x @ w[:2].T, x @ w[2:].T], axis=-1))
+    for held in (Int8Matrix(w), BFloat16Matrix(w)):  # compact formats: x @ (their float32 rows).T
+        np.testing.assert_allclose(PLAIN.linear(x, held), x @ held.to_float32().T, rtol=1e-5, atol=1e-5)
+    assert Float32Matrix(w).dense is w and Int8Matrix(w).dense is None and stacked.dense is None
 
 
 def test_tuned_takes_left_for_a_prefill_projection_the_plan_names(monkeypatch):
     seen = []
     monkeypatch.setitem(products.PREFILL_LEFT, products.blas_kernel(), frozenset({"gate_up"}))
     monkeypatch.setattr(products, "left", lambda x, w: seen.append(x.shape[0]) or (w @ x.T).T)
-    x, w = np.ones((65, 4), np.float32), np.ones((3, 4), np.float32)
+    x, w = np.ones((65, 4), np.float32), Float32Matrix(np.ones((3, 4), np.float32))
     TUNED.linear(x, w, projection="gate_up")  # a prefill's gate_up: left
     TUNED.linear(x, w, projection="down")  # not named: plain
     TUNED.linear(x[:64], w, projection="gate_up")  # 64 rows are few: never left

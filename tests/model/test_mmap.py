@@ -51,8 +51,8 @@ def test_mapped_weights_are_views_of_the_file_and_give_the_eager_logits(tmp_path
     mapped = minillm.load(folder, progress=False, warmup=False, mmap=True)
     w = mapped.transformer.weights
     assert w.mapped and not eager.transformer.weights.mapped
-    assert isinstance(w.layers[0].w_qkv, tuple) and len(w.layers[0].w_qkv) == 3  # q, k, v as the file has them
-    assert not w.embed_tokens.flags.writeable  # a read-only view of the map, not a copy
+    assert [p.shape[0] for p in w.layers[0].w_qkv.parts()] == [mapped.config.q_dim, *[mapped.config.kv_dim] * 2]  # q, k, v as in the file
+    assert not w.embed_tokens.dense.flags.writeable  # a read-only view of the map, not a copy
     assert w.num_parameters == eager.transformer.weights.num_parameters
     ids = minillm.tokenize(eager, "hello world")
     logits = []
