@@ -99,8 +99,10 @@ class ModelSlot(Worker):
         self.pool.keys.fill(0)  # commit every page now: the pool is resident as planned, not on first write
         self.pool.values.fill(0)
         t2 = time.perf_counter()
-        if self.warmup:
-            run_warmup(self.model, pool=self.pool)
+        if self.warmup:  # a tracer's warm-up also measures the diagnosis's rates (describe.warmup), not a step
+            tracer = minillm.Tracer()
+            run_warmup(self.model, tracer=tracer, pool=self.pool)
+            self.calibration = next((e.data.get("calibration") for e in tracer.events if e.phase == "warmup"), None)
         _trim_heap()  # the load's temporaries (float32 rows before int8, file buffers) leave the resident set
         t3 = time.perf_counter()
         self.scheduler = Scheduler(
@@ -200,12 +202,11 @@ class ModelRegistry:
     def plan_all(self) -> list[MemoryPlan]:
         """Each model's plan from its config and tokenizer, read without its weights (``plan_files.py``)."""
         from minillm.model.config import ModelConfig
-        from minillm.sources.hub import resolve_model
         from minillm.sources.plan_files import plan_folder
 
         # config.json and the tokenizer only (sources/plan_files.py); a model whose config is only in
-        # its weights' file (an offline GGUF not fetched yet) is fetched first, as its load would
-        folders = {s.served: plan_folder(s.source) or resolve_model(s.source, progress=True).path for s in self.specs}
+        # its GGUF (an offline source not fetched yet) has the GGUF fetched and its header read, not converted
+        folders = {s.served: plan_folder(s.source, progress=True) for s in self.specs}
         measured = measured_overhead(list(folders.values()), SERVE_MODULES)
         self.runtime_bytes = measured["runtime"]
         o = self.options

