@@ -15,6 +15,16 @@ from __future__ import annotations
 DISTRIBUTION = "minillm-edu"
 
 
+def install_command(extra: str) -> str:
+    """The command that installs ``extra``, built from :data:`DISTRIBUTION` (never typed by hand:
+    the package index's ``minillm`` is another project), with a source checkout's form.
+
+    ``install_command("serve")`` -> ``pip install "minillm-edu[serve]" (in a source checkout: pip install -e
+    ".[serve]")``
+    """
+    return f'pip install "{DISTRIBUTION}[{extra}]" (in a source checkout: pip install -e ".[{extra}]")'
+
+
 class MiniLLMError(Exception):
     """Base class: something the user can fix. The message names the problem and the fix."""
 
@@ -107,6 +117,5 @@ class MissingExtraError(MiniLLMError):
     def for_module(cls, module: str, extra: str, command: str) -> MissingExtraError:
         """The error for ``command`` when ``module`` (a package of ``extra``) is missing."""
         return cls(
-            f"`{command}` needs the {module} package, which the {extra} extra installs: "
-            f'pip install "{DISTRIBUTION}[{extra}]" (in a source checkout: pip install -e ".[{extra}]").'
+            f"`{command}` needs the {module} package, which the {extra} extra installs: {install_command(extra)}."
         )

@@ -179,12 +179,17 @@ def constraint_of(args: argparse.Namespace):
     from pathlib import Path
 
     from minillm.errors import InvalidRequestError
-    from minillm.runtime.constraint import Constraint
+    from minillm.runtime.constraint import Constraint, require_engine
 
     def text(value: str) -> str:
         path = Path(value).expanduser()
         return path.read_text(encoding="utf-8") if len(value) < 4096 and path.is_file() else value
 
+    given = {"--json-schema": args.json_schema, "--regex": args.regex, "--grammar": args.grammar}
+    flag = next((name for name, value in given.items() if value), None)
+    if flag is None:
+        return None
+    require_engine(flag)  # a missing extra is said before the model loads or is fetched
     if args.json_schema:
         try:
             return Constraint.json_schema(json.loads(text(args.json_schema)))
@@ -192,7 +197,7 @@ def constraint_of(args: argparse.Namespace):
             raise InvalidRequestError(f"--json-schema is neither a file nor JSON ({exc}); give a schema") from None
     if args.regex:
         return Constraint.regex(args.regex)
-    return Constraint.lark(text(args.grammar)) if args.grammar else None
+    return Constraint.lark(text(args.grammar))
 
 
 def _bias(text: str) -> tuple[int, float]:

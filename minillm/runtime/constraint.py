@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minillm.errors import InvalidRequestError
+from minillm.errors import InvalidRequestError, install_command
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # minillm Tokenizer -> llguidance's view
@@ -83,10 +83,22 @@ def _llguidance():
         import llguidance
     except ImportError:
         raise InvalidRequestError(
-            "constrained decoding needs the grammar engine llguidance: pip install 'minillm[constrained]' "
-            "(or pip install llguidance)"
+            f"constrained decoding needs the grammar engine llguidance, which the constrained extra installs: "
+            f"{install_command('constrained')}"
         ) from None
     return llguidance
+
+
+def require_engine(flag: str) -> None:
+    """Check that the grammar engine is installed, before a model is loaded or fetched for ``flag``.
+
+    Raises:
+        InvalidRequestError: llguidance is not installed; the message names ``flag`` and the extra's install command.
+    """
+    try:
+        _llguidance()
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{flag}: {exc}") from None
 
 
 def _engine_tokenizer(model):
