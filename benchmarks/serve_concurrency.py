@@ -22,12 +22,13 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.server_process import free_port, stop
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "local" / "serve_concurrency.json"
 TARGET = 2.5
@@ -37,12 +38,6 @@ def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (Linux ``/proc/<pid>/stat``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kernel(env: dict) -> str:
@@ -67,7 +62,7 @@ def main(argv=None) -> dict:
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = p.parse_args(argv)
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OPENBLAS_NUM_THREADS": str(args.threads)}
     kernel = _kernel(env)
     server = subprocess.Popen(
@@ -106,8 +101,7 @@ def main(argv=None) -> dict:
         )
         levels = asyncio.run(_levels(bench, url, args, server.pid, cpu_snapshot))
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop(server, timeout=30)
     pairs = zip(levels[::2], levels[1::2], strict=True)  # (concurrency 1, concurrency 8) per round
     ratios = [b["output_tokens_per_s"] / a["output_tokens_per_s"] for a, b in pairs]
     ratio = statistics.median(ratios)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -32,15 +31,11 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.server_process import free_port
+
 DEFAULT_JSON = Path(__file__).parent / "results" / "local" / "soak.json"
 MODEL = "smollm2-135m-instruct"
 KINDS = ("normal", "normal", "cancel", "normal", "timeout", "invalid", "normal", "normal", "normal", "fault")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _proc(pid: int) -> dict:
@@ -142,7 +137,7 @@ def _idle(url: str, timeout: float = 60.0) -> dict[str, float]:
 
 
 def _start(args) -> tuple[subprocess.Popen, str, Path]:
-    port = _free_port()
+    port = free_port()
     log = args.json.with_suffix(".server.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "minillm", "serve", args.model, "--port", str(port), "--threads", str(args.threads),

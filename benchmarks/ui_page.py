@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from benchmarks.server_process import free_port, ready, stop, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
@@ -58,16 +58,9 @@ def launch(playwright):
     return playwright.chromium.launch(executable_path=find_chromium(), args=CHROMIUM_ARGS, headless=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def serve(log: Path, *flags: str):
     """Run ``python -m minillm serve`` on a free port until the block ends; yield its base URL."""
-    import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "minillm", "serve", MODEL, "--port", str(port), "--threads", "1", *flags]
@@ -75,23 +68,10 @@ def serve(log: Path, *flags: str):
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "120"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not get ready:\n{log.read_text()}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_for(url, ready, proc, log, timeout=180)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def send_from_page(page, prompt: str, max_tokens: int, slow_motion: str = "0") -> None:

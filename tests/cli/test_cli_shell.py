@@ -123,20 +123,6 @@ def test_the_context_error_names_the_flag_on_the_command_line(scripted_load, cap
 
 
 # --- 4. chat on a base model: refused before any download ---------------------------------------
-@pytest.fixture()
-def connections(monkeypatch) -> list:
-    """Every TCP connection this process attempts (address), recorded, then made as usual (as test_hub.py)."""
-    attempts: list = []
-    connect = socket.socket.connect
-
-    def spy(self, address):
-        attempts.append(address)
-        return connect(self, address)
-
-    monkeypatch.setattr(socket.socket, "connect", spy)
-    return attempts
-
-
 def test_chat_on_a_base_model_is_refused_before_any_download(monkeypatch, tmp_path, capsys, connections):
     from minillm.sources import hub
 

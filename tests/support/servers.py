@@ -5,24 +5,18 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.server_process import free_port, ready, stop, wait_for
+
 #: The model every server test serves (the default model, fetched on first use).
 MODEL = "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -37,29 +31,10 @@ def running_server(tmp_path: Path, *flags: str, wait_ready: bool = True, model: 
     try:
         wait_for(url, lambda r: r is not None, proc, log)  # listening (any answer)
         if wait_ready:
-            wait_for(url, lambda r: r is not None and r.status_code == 200, proc, log)
+            wait_for(url, ready, proc, log)
         yield url, log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def wait_for(url, done, proc, log, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            r = httpx.get(url + "/health", timeout=2)
-        except httpx.HTTPError:
-            r = None
-        if done(r):
-            return r
-        time.sleep(0.05)
-    raise TimeoutError(f"server not ready after {timeout} s:\n{log.read_text() if log else ''}")
+        stop(proc)
 
 
 def metrics(url: str) -> dict[str, float]:
