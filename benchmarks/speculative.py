@@ -14,10 +14,12 @@ For each workload it runs plain decoding, then every draft and k; greedy specula
 the plain ids (checked). Printed per run:
 
     tokens/pass    new tokens / forward passes of the model (prefill included)
-    alpha          drafted tokens kept / drafted tokens
+    alpha          per position checked: kept / (kept + rejections); the drafts after a pass's first
+                   rejection are never checked (speculative.per_position_acceptance)
     k mean         drafted tokens per verifying pass (adaptive k moves between 1 and k)
     per verify     tokens per verifying pass, measured: (kept drafts + one) / verifying passes
     formula        (1 - alpha^(k+1)) / (1 - alpha) at k = k mean: the same if acceptances were independent
+                   (and every pass drafted k mean)
     decode tok/s   (new tokens - 1) / (seconds after the first token): the prefill is the same for all;
                    the median of --repeat runs, each configuration's runs interleaved with the others'
     speedup        decode tok/s against plain, same workload, same run
@@ -57,15 +59,16 @@ def workloads() -> dict[str, list[dict]]:
 
 def run_one(model, prompt, tokens: int, speculative) -> dict:
     import minillm
+    from minillm.runtime.speculative import expected_tokens_per_pass, per_position_acceptance
 
     t = time.perf_counter()
     r = minillm.generate(model, prompt, max_new_tokens=tokens, speculative=speculative)
     total = time.perf_counter() - t
     m = r.metrics
     decode_s = max(total - m.ttft_s, 1e-9)
-    alpha = m.accepted_tokens / m.drafted_tokens if m.drafted_tokens else float("nan")
+    alpha = per_position_acceptance(m.accepted_tokens, m.rejections)
     k = m.drafted_tokens / m.verify_steps if m.verify_steps else float("nan")
-    formula = float("nan") if not m.drafted_tokens else (k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha))
+    formula = expected_tokens_per_pass(alpha, k) if m.drafted_tokens else float("nan")
     return {
         "ids": r.ids,
         "new_tokens": len(r.ids),
@@ -73,6 +76,7 @@ def run_one(model, prompt, tokens: int, speculative) -> dict:
         "passes_per_token": m.target_passes / len(r.ids),
         "drafted": m.drafted_tokens,
         "accepted": m.accepted_tokens,
+        "rejections": m.rejections,
         "tokens_per_pass": len(r.ids) / m.target_passes,
         "alpha": alpha,
         "k_mean": k,

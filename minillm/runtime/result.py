@@ -34,6 +34,7 @@ class RequestMetrics:
     target_passes: int = 0  # forward passes of the model over this request (prefill chunks included)
     drafted_tokens: int = 0  # speculative decoding: tokens a draft proposed, and how many were kept
     accepted_tokens: int = 0
+    rejections: int = 0  # speculative passes that rejected a draft (at most one each: the first mismatch)
     verify_steps: int = 0  # speculative passes that checked at least one drafted token
     speculative_k: int = 0  # tokens drafted per pass at most (Speculative.num_tokens); 0: no speculation
     prompt_tokens_computed: int = 0  # prompt positions the batch scheduler fed (cache hits not; recomputed again)

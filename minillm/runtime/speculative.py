@@ -18,7 +18,9 @@ accepted part contributes ``min(p, q)``, the rejection ``max(0, p - q)``, and th
 has ``q`` one-hot on its token. ``p`` and ``q`` go through the request's own processors
 (repetition penalty, temperature, top-k, top-p, min-p), each row with the drafted tokens before it
 counted as seen. If each drafted token is accepted with probability ``α``, a pass yields
-``(1 - α^(k+1)) / (1 - α)`` tokens on average.
+``(1 - α^(k+1)) / (1 - α)`` tokens on average (:func:`expected_tokens_per_pass`); ``α`` is measured per
+position checked (:func:`per_position_acceptance`): the drafts after a pass's first rejection are never
+checked, so they say nothing about ``α``.
 
 A drafted row is not free: it goes through every layer's products, which on a CPU cost a
 fraction of a one-row pass each, and a rejected row is that work lost. So ``k`` adapts
@@ -105,6 +107,34 @@ def next_k(k: int, drafted: int, accepted: int, most: int) -> int:
     if accepted == drafted:
         return min(most, k + 1)
     return max(1, accepted + 1 if accepted else k - 1)
+
+
+# --- what a pass yields, in expectation ------------------------------------------------------------
+def per_position_acceptance(kept: int, rejections: int) -> float:
+    """``α``: the share of checked draft positions that were kept, ``kept / (kept + rejections)``.
+
+    A pass checks its drafts in order and stops at the first rejection, so the positions checked are
+    the kept drafts plus one per rejecting pass; the drafts after a rejection were never checked.
+    (``kept / drafted`` counts those unchecked drafts as failures and underestimates ``α``.) This is
+    the maximum-likelihood ``α`` of the independent-acceptance model behind
+    :func:`expected_tokens_per_pass` (Leviathan et al. 2023, section 3.1).
+
+    Args:
+        kept: drafts accepted (``RequestMetrics.accepted_tokens``), a count >= 0.
+        rejections: passes that rejected a draft (``RequestMetrics.rejections``), a count >= 0.
+
+    Returns:
+        ``α`` in [0, 1] as a float; NaN when nothing was checked.
+    """
+    checked = kept + rejections
+    return kept / checked if checked else float("nan")
+
+
+def expected_tokens_per_pass(alpha: float, k: float) -> float:
+    """``1 + α + α² + ... + α^k = (1 - α^(k+1)) / (1 - α)``: the tokens a verification pass of ``k`` drafts
+    yields on average when each draft is kept independently with probability ``alpha`` (its kept run,
+    then one token of the model's own); ``k + 1`` at ``α = 1``. Leviathan et al. 2023, equation 1."""
+    return k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 # --- the acceptance rule: pure functions on distributions ------------------------------------------
@@ -206,7 +236,7 @@ class SpeculativeDecoder:
     """One request's draft and its verification step; ``request`` is a ``request.Request``.
 
     The request pushes its tokens through :meth:`settle` after a verification forward; its
-    metrics count ``drafted_tokens``, ``accepted_tokens`` and ``verify_steps``.
+    metrics count ``drafted_tokens``, ``accepted_tokens``, ``rejections`` and ``verify_steps``.
     """
 
     def __init__(self, spec: Speculative, model, request):
@@ -292,6 +322,7 @@ class SpeculativeDecoder:
         r.cache.truncate(start + 1 + n)  # the rejected drafts' keys and values are forgotten
         m.drafted_tokens += len(ids)
         m.accepted_tokens += n
+        m.rejections += n < len(ids)  # the first mismatch; the drafts after it were never checked
         m.verify_steps += 1
         if self.spec.adaptive:
             self.k = next_k(self.k, len(ids), n, self.spec.num_tokens)

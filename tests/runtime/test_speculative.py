@@ -27,7 +27,16 @@ from minillm.model.weights import load_weights
 from minillm.runtime import sampling
 from minillm.runtime.drafts import Draft, NgramDraft
 from minillm.runtime.loading import Model
-from minillm.runtime.speculative import Speculative, acceptance_probability, distribution, next_k, residual, verify
+from minillm.runtime.speculative import (
+    Speculative,
+    acceptance_probability,
+    distribution,
+    expected_tokens_per_pass,
+    next_k,
+    per_position_acceptance,
+    residual,
+    verify,
+)
 from minillm.text.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +60,8 @@ def word_model(tmp_path_factory) -> Model:
         hf.lm_head.weight.mul_(40.0)
     hf.save_pretrained(folder)
     config = ModelConfig.from_folder(folder)
-    return Model("word", folder, config, Tokenizer.from_folder(folder), Transformer(config, load_weights(folder, config)), None)
+    transformer = Transformer(config, load_weights(folder, config))
+    return Model("word", folder, config, Tokenizer.from_folder(folder), transformer, None)
 
 
 # --- the acceptance rule, in closed form -----------------------------------------------------------
@@ -211,6 +221,63 @@ def test_stops_inside_an_accepted_run(word_model, options):
     m = spec.metrics
     assert m.drafted_tokens == m.accepted_tokens  # an oracle is always right ...
     assert m.target_passes == 1 + math.ceil((len(spec.ids) - 1) / 9)  # ... so each pass gives k + 1 = 9
+
+
+class RightTwiceThenWrong(Draft):
+    """Proposes the plain greedy answer's next ``k`` ids with the third one wrong: two kept, then a rejection."""
+
+    def __init__(self, answer: list[int], prompt_len: int):
+        self.answer, self.prompt_len = answer, prompt_len
+
+    def propose(self, tokens, k, choose):
+        done = len(tokens) - self.prompt_len
+        ids = list(self.answer[done : done + k])
+        if len(ids) > 2:
+            ids[2] = (ids[2] + 1) % 108  # any id but the model's argmax
+        return ids, None
+
+
+def test_alpha_counts_the_positions_checked_not_the_drafts():
+    """Worked by hand: k = 4 fixed, 16 new tokens. The prefill gives 1; four passes draft 4, keep 2, reject
+    the third (3 tokens each); the last pass may draft only 2 (the budget keeps one token for the model):
+    both kept, plus the bonus. Kept 10, drafted 18, rejections 4: the positions checked are 10 + 4."""
+    assert per_position_acceptance(10, 4) == 10 / 14
+    assert per_position_acceptance(0, 0) != per_position_acceptance(0, 0)  # NaN: nothing was checked
+    assert expected_tokens_per_pass(0.5, 2) == 1.75 and expected_tokens_per_pass(1.0, 4) == 5
+    assert expected_tokens_per_pass(0.0, 8) == 1.0
+
+
+def test_rejections_are_counted_once_per_rejecting_pass(word_model):
+    prompt = "AB C DEF AB C"
+    full = minillm.generate(word_model, prompt, max_new_tokens=40)
+    n = len(word_model.tokenizer.encode(prompt))
+    spec = Speculative(RightTwiceThenWrong(full.ids, n), num_tokens=4, adaptive=False)
+    r = minillm.generate(word_model, prompt, max_new_tokens=16, speculative=spec)
+    assert r.ids == full.ids[:16]
+    m = r.metrics
+    assert (m.drafted_tokens, m.accepted_tokens, m.rejections, m.verify_steps, m.target_passes) == (18, 10, 4, 5, 6)
+    alpha = per_position_acceptance(m.accepted_tokens, m.rejections)
+    assert alpha == 10 / 14 != m.accepted_tokens / m.drafted_tokens  # kept / drafted would say 10 / 18
+
+
+def test_the_formula_is_what_independent_acceptances_yield():
+    """Passes simulated with each draft kept independently with probability 0.7 (seeded): the tokens per
+    pass match (1 - a^(k+1)) / (1 - a) at a = per_position_acceptance of the counts, and that a is 0.7;
+    kept / drafted is far below it (the drafts after a rejection were never checked)."""
+    rng, true_alpha = np.random.default_rng(0), 0.7
+    for k in (2, 4, 8):
+        kept = rejections = 0
+        passes = 20_000
+        for _ in range(passes):
+            run = 0
+            while run < k and rng.random() < true_alpha:
+                run += 1
+            kept, rejections = kept + run, rejections + (run < k)
+        alpha = per_position_acceptance(kept, rejections)
+        assert abs(alpha - true_alpha) < 0.01, (k, alpha)
+        measured = (kept + passes) / passes
+        assert abs(measured / expected_tokens_per_pass(alpha, k) - 1) < 0.01, (k, measured)
+        assert kept / (k * passes) < true_alpha - 0.05  # the old estimate: 0.60, 0.44, 0.25 for k = 2, 4, 8
 
 
 def test_next_k_grows_on_a_full_run_and_shrinks_on_a_rejection():
@@ -558,7 +625,8 @@ def test_smollm2_greedy_with_a_schema_equals_constrained_plain(smollm2, draft):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
               "city": {"enum": ["Paris", "Berlin", "Rome"]}, "age": {"type": "integer"}},
               "required": ["name", "city", "age"], "additionalProperties": False}  # fmt: skip
-    prompt = [{"role": "user", "content": 'Describe Ana, 31, from Rome, as JSON: {"name": "Ana", "city": "Rome", "age": 31}'}]
+    ask = 'Describe Ana, 31, from Rome, as JSON: {"name": "Ana", "city": "Rome", "age": 31}'
+    prompt = [{"role": "user", "content": ask}]
     plain = minillm.generate(smollm2, prompt, max_new_tokens=40, constraint=schema)
     spec = minillm.generate(smollm2, prompt, max_new_tokens=40, constraint=schema, speculative=draft)
     assert spec.ids == plain.ids and spec.text == plain.text
