@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import socket
 import threading
@@ -110,17 +111,16 @@ class Reader:
 
 def chat(url, prompt, max_tokens, **extra):
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
-    return httpx.post(url + "/v1/chat/completions", json={**body, "temperature": 0, **extra}, timeout=300).json()
+    answer = httpx.post(url + "/v1/chat/completions", json={**body, "temperature": 0, **extra}, timeout=300)
+    assert answer.status_code == 200, answer.text  # an error answer names itself, never a None further on
+    return answer.json()
 
 
 def concurrently(fn, args):
-    out = [None] * len(args)
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(*args[i]))) for i in range(len(args))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
+    """``fn(*a)`` for each ``a`` in ``args`` on threads of their own; their results in order. A call
+    that raised raises here, with its own exception (a thread's exception would otherwise be lost)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(args)) as pool:
+        return list(pool.map(lambda a: fn(*a), args))
 
 
 def finished(ids):
