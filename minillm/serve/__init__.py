@@ -213,7 +213,8 @@ def _add_reliability_flags(s) -> None:
     s.add_argument(
         "--test-faults",
         action="store_true",
-        help="accept the minillm_test_fault request field, which raises inside that request on purpose (tests)",
+        help="accept the minillm_test_fault request field, which raises inside that request on purpose, or holds "
+        "its admission (tests)",
     )
 
 

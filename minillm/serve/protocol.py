@@ -55,10 +55,14 @@ class StreamOptions(BaseModel):
 
 
 class TestFault(BaseModel):
-    """The test hook of ``minillm serve --test-faults`` (``reliability.py``): raise on purpose."""
+    """The test hook of ``minillm serve --test-faults`` (``reliability.py``): raise on purpose, or
+    hold the request in admission (out of the queue, not yet in the scheduler)."""
 
-    stage: Literal["sampler", "detokenizer", "stop"]
+    stage: Literal["sampler", "detokenizer", "stop", "admission"]
     at_token: int = Field(1, ge=1, le=100_000, description="raise while making this new token (1 = the first)")
+    hold_s: float = Field(
+        30.0, gt=0, le=600, description="admission: hold at most this long, seconds (until another request comes)"
+    )
 
 
 class SamplingFields(BaseModel):

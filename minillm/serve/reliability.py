@@ -12,7 +12,11 @@ state, only limits, counters and the reason (if any) every running request must 
 Test hook (only with ``minillm serve --test-faults``): a request's extra field
 ``"minillm_test_fault": {"stage": "sampler" | "detokenizer" | "stop", "at_token": N}`` raises
 :class:`InjectedFault` inside that request's own sampler, detokenizer or stop chain when it
-makes its N-th token. Without the flag the field is refused with a 400.
+makes its N-th token. ``{"stage": "admission", "hold_s": S}`` raises nothing: the worker holds
+that request where it has left the queue, is prepared, and is not yet in the scheduler, until
+another request reaches the server (queued or refused) or S seconds pass; the window in which
+``--max-queue`` must still count it as waiting (``worker.py``). Without the flag the field is
+refused with a 400.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 import minillm
 from minillm.runtime.scheduler import BatchRequest
 
-FAULT_STAGES = ("sampler", "detokenizer", "stop")
+FAULT_STAGES = ("sampler", "detokenizer", "stop")  # the stages that raise; "admission" holds (worker.py)
 _PACKAGE = Path(minillm.__file__).resolve().parent.parent
 
 
@@ -196,13 +200,13 @@ class GuardedRequest(BatchRequest):
     text (``flush``) is kept in ``error`` as ``(stage, exception)``; the request is then cancelled,
     so the scheduler finishes it at once (its blocks return to the pool) and the other rows of
     the step are untouched. ``fault``: ``{"stage": ..., "at_token": N}`` raises
-    :class:`InjectedFault` on purpose (``--test-faults``).
+    :class:`InjectedFault` on purpose (``--test-faults``; the admission stage is the worker's).
     """
 
     def __init__(self, *args, fault: dict | None = None, **options):
         super().__init__(*args, **options)
         self.error: tuple[str, BaseException] | None = None
-        if fault is not None:
+        if fault is not None and fault["stage"] in FAULT_STAGES:
             _inject(self, fault["stage"], fault["at_token"])
 
     def take(self, logits, step_t0):

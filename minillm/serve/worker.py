@@ -103,6 +103,14 @@ class Worker:
         self.pool: minillm.KVCachePool | None = None
         self.scheduler: Scheduler | None = None
         self.active: dict[int, Active] = {}  # request index -> its job, while it runs or waits to
+        # Admission: a job out of the queue and not yet in the scheduler still waits. ``_admission``
+        # makes the count and the move atomic (submit's check and put; the worker's take; its add).
+        self._admission = threading.Lock()
+        self._admitting: set[str] = set()  # ids of the jobs taken from the queue, not yet in the scheduler
+        self._submitted = 0  # submit() calls (queued or refused): the test hook's "another request came"
+        self._submits_at_take = 0  # _submitted when the job being admitted left the queue
+        self._arrival = threading.Event()  # set by submit: a job was queued (wakes a waiting worker)
+        self.calibration: dict | None = None  # the diagnosis's calibration, measured during the warm-up
         self.traces: OrderedDict[str, dict] = OrderedDict()
         self.keep_traces = keep_traces
         self._lock = threading.Lock()  # guards traces (written by the worker, read by the loop)
@@ -146,8 +154,12 @@ class Worker:
         self.pool = minillm.KVCachePool.for_model(model.config, self.kv_cache_mib, self.block_size)
         self.live.load("loaded", seconds=dict(model.load_seconds), blocks_total=self.pool.num_blocks)
         if self.warmup:  # through the pool requests will use: its memory is mapped on first write
+            # a tracer's warm-up also measures what the requests' diagnosis reads (describe.warmup): the
+            # machine's rates and the model's products rate, here and not inside a request's step
+            tracer = tracer if tracer is not None else minillm.Tracer()
             run_warmup(model, tracer=tracer, pool=self.pool)
-            self.live.load("warmup", seconds=model.warmup_s)
+            self.calibration = next((e.data.get("calibration") for e in tracer.events if e.phase == "warmup"), None)
+            self.live.load("warmup", seconds=model.warmup_s, calibration=self.calibration)
         self.scheduler = Scheduler(
             model, self.pool, max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs
         )
@@ -179,8 +191,10 @@ class Worker:
 
     @property
     def waiting(self) -> int:
-        """Requests waiting: in the queue, and admitted to the scheduler but not yet running."""
-        return self.queue.qsize() + (len(self.scheduler.waiting) if self.scheduler is not None else 0)
+        """Requests waiting: in the queue, being admitted (taken from the queue, prepared, not yet in
+        the scheduler), and in the scheduler but not yet running."""
+        scheduled = len(self.scheduler.waiting) if self.scheduler is not None else 0
+        return self.queue.qsize() + len(self._admitting) + scheduled
 
     @property
     def kv_bytes_reserved(self) -> int:
@@ -196,12 +210,16 @@ class Worker:
         """Queue a job (arrival order). Raises QueueFullError when ``max_queue`` jobs already wait
         (counted in ``metrics.rejected``)."""
         try:
-            if self.waiting >= self.max_queue:
-                raise queue.Full
-            self.queue.put_nowait(job)
+            with self._admission:  # the worker cannot take a job or add one to the scheduler meanwhile
+                self._submitted += 1
+                if self.waiting >= self.max_queue:
+                    raise queue.Full
+                self.queue.put_nowait(job)
+                self._arrival.set()
         except queue.Full:
             self.metrics.rejected.inc()  # its final state: refused before any work
-            raise QueueFullError(f"{self.queue.maxsize} requests are already waiting") from None
+            n = self.max_queue
+            raise QueueFullError(f"{n} request{' is' if n == 1 else 's are'} already waiting") from None
         self.live.queued(job)
 
     @property
@@ -217,17 +235,30 @@ class Worker:
     # --- requests joining and leaving the batch -------------------------------------------------
     def _take_jobs(self, block: bool, timeout: float | None = None) -> None:
         """Move queued jobs into the scheduler (waiting for one when nothing runs, at most
-        ``timeout`` seconds if given)."""
+        ``timeout`` seconds if given). A job taken from the queue counts as waiting until it is in
+        the scheduler (or answered): ``--max-queue`` holds while a job is being prepared."""
         while True:
-            try:
-                job = self.queue.get(block=block, timeout=timeout if block else None)
-            except queue.Empty:
-                return
+            with self._admission:  # out of the queue and into _admitting in one move (submit counts both)
+                try:
+                    job = self.queue.get_nowait()
+                    self._admitting.add(job.request_id)
+                    self._submits_at_take = self._submitted
+                except queue.Empty:
+                    job = None
+                    self._arrival.clear()  # under the lock: a submit after this sets it again
+            if job is None:
+                if not block or not self._arrival.wait(timeout):
+                    return
+                block = False  # a job arrived: take it (and any others) without waiting again
+                continue
             block = False
             try:
                 self._admit(job)
             except Exception as exc:  # noqa: BLE001 - a bug: answer this client, keep the worker alive
                 self.guard.bug(self, job, "admission", exc)
+            finally:
+                with self._admission:  # answered without entering the scheduler (or already moved: no-op)
+                    self._admitting.discard(job.request_id)
 
     def _admit(self, job: Job) -> None:
         wait = time.perf_counter() - job.arrival
@@ -266,13 +297,26 @@ class Worker:
                 speculative=job.speculative,
                 step_delay_s=job.slow_motion_s,
             )
-            self.scheduler.add(request)  # refuses a request the pool could never hold (400)
+            if job.fault is not None and job.fault["stage"] == "admission":
+                self._hold_admission(job.fault)
+            with self._admission:  # in the scheduler and no longer being admitted, in one move
+                self.scheduler.add(request)  # refuses a request the pool could never hold (400)
+                self._admitting.discard(job.request_id)
         except minillm.MiniLLMError as exc:  # a request the runtime refuses: the client gets a 400
             self._remember(job, None, wait, tracer.events, note=f"{type(exc).__name__}: {exc}")
             self.metrics.finished.labels(reason="refused").inc()
             job.send("error", exc)
             return
         self.active[request.index] = Active(job, request, tracer, wait)
+
+    def _hold_admission(self, fault: dict) -> None:
+        """``--test-faults``' admission stage (``reliability.py``): keep this job taken from the queue and
+        not yet in the scheduler until another request reaches :meth:`submit` (queued or refused) after
+        it left the queue, at most ``fault["hold_s"]`` seconds: the window in which ``--max-queue`` must
+        still count it."""
+        deadline = time.monotonic() + fault.get("hold_s", 30.0)
+        while self._submitted == self._submits_at_take and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def _publish(self) -> None:
         """Send each request's new text; answer the ones that finished."""
