@@ -38,6 +38,7 @@ import math
 import os
 import platform
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -263,11 +264,13 @@ def measure_machine(folder: Path | None = None, repeats: int = 3) -> Machine:
     x, m = np.ones((1, 64), np.float32), np.ones((64, 64), np.float32)
     call_s = _best(lambda: [x @ m for _ in range(1000)], repeats) / 1000
     trim_heap()  # the test arrays and the synthetic tokenizer leave the resident set (a server measures it)
+    seconds = time.perf_counter() - t0
+    record_measurement("machine", seconds)
     return Machine(
         matmul_s_per_byte=per_byte,
         gemm_flop_s=gemm_flop_s,
         fresh_copy_b_s=fresh_copy_b_s,
-        seconds=time.perf_counter() - t0,
+        seconds=seconds,
         disk_read_b_s=disk_read_b_s,
         tokenizer_b_s=tokenizer_b_s,
         call_s=call_s,
@@ -275,6 +278,22 @@ def measure_machine(folder: Path | None = None, repeats: int = 3) -> Machine:
         others_cpu_share=others_cpu_share(cpu0, cpu_snapshot()),
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
+
+
+#: Every measurement this process made, oldest first: ``{"what": "machine" | "products_rate", "thread":
+#: the thread's name, "seconds": how long it took}``. A server shows the counts in GET /health, so a
+#: test can check that a request's step never paid one (``minillm serve`` measures during its warm-up).
+MEASUREMENTS: list[dict] = []
+
+
+def record_measurement(what: str, seconds: float) -> None:
+    """Add one measurement to :data:`MEASUREMENTS` (``what``: ``machine`` or ``products_rate``)."""
+    MEASUREMENTS.append({"what": what, "thread": threading.current_thread().name, "seconds": seconds})
+
+
+def measurement_counts() -> dict[str, int]:
+    """How many times this process measured the machine and a model's products rate."""
+    return {what: sum(m["what"] == what for m in MEASUREMENTS) for what in ("machine", "products_rate")}
 
 
 def calibration_file() -> Path:

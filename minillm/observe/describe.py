@@ -16,7 +16,12 @@ import numpy as np
 
 from minillm.model.config import ModelConfig
 from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
-from minillm.observe.describe_summary import expectations, local_load_s, summary  # noqa: F401 (a phase, re-exported)
+from minillm.observe.describe_summary import (  # noqa: F401 (summary: a phase, re-exported)
+    expectations,
+    local_load_s,
+    prepare_expectations,
+    summary,
+)
 from minillm.observe.metrics import blas_summary
 from minillm.observe.pictures import block_table_picture, mask_picture, pool_picture
 from minillm.runtime.sampling import top_candidates
@@ -160,8 +165,10 @@ def load(model, seconds: dict[str, float], others_cpu_share: float = float("nan"
 
 
 def warmup(model, tokens: int, decode_steps: int) -> dict[str, Any]:
-    """The warm-up request: its size (its seconds are the event's duration)."""
-    return dict(tokens=tokens, decode_steps=decode_steps)
+    """The warm-up request: its size (its seconds are the event's duration), and the diagnosis's
+    calibration measured now, while the model warms up, rather than inside a request's step
+    (``describe_summary.prepare_expectations``: seconds on a machine not yet calibrated)."""
+    return dict(tokens=tokens, decode_steps=decode_steps, calibration=prepare_expectations(model))
 
 
 def prepare(model, chat: bool, messages: list[dict], text: str) -> dict[str, Any]:

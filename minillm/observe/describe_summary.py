@@ -3,12 +3,40 @@ against what this machine should take (``calibrate.py``'s rates, ``diagnosis.py`
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from minillm.observe import calibrate
 from minillm.observe.diagnosis import diagnose
 from minillm.observe.metrics import blas_threads, held_weight_table, kv_memory_table, weight_memory_table
 from minillm.observe.products_rate import products_s_per_byte
+
+
+def prepare_expectations(model) -> dict[str, Any]:
+    """Measure now what :func:`expectations` reads, so that no request's step pays for it: this machine's
+    rates (``calibrate.machine``: read from the file, else measured, a few seconds; a busy measurement
+    is kept for this process) and the model's own products rate (``products_rate.py``). A traced
+    warm-up calls it (``describe.warmup``), before ``minillm run`` prints "ready" and before
+    ``minillm serve``'s GET /health answers 200.
+
+    Returns:
+        ``measured_now`` (the machine was measured here, not read from the file), ``busy`` (that
+        measurement is kept for this process only), ``seconds`` spent here, ``products_s_per_byte``
+        (None for packed weights); ``{}`` for a stand-in model without weights (nothing to expect).
+    """
+    try:
+        calibrate.model_sizes(model)
+    except AttributeError:  # a stand-in model without weights (tests, scripted lessons)
+        return {}
+    t0 = time.perf_counter()
+    machine, measured_now = calibrate.machine_cached()
+    rate = products_s_per_byte(model)
+    return {
+        "measured_now": measured_now,
+        "busy": machine.busy,
+        "seconds": time.perf_counter() - t0,
+        "products_s_per_byte": rate,
+    }
 
 
 def expectations(model, metrics) -> tuple[dict[str, float], dict[str, Any]]:

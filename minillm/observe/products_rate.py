@@ -7,8 +7,9 @@ that matrix's size then takes about twice what the machine's rate promises, with
 So the decode expectation also reads the model's own float32 matrices, as a decode step does:
 one token's ``[1, in]`` row through every projection and the LM head, nothing between them
 (``benchmarks/speed.py`` times the same pass as "products alone"). Measured once per loaded
-model and BLAS thread count, at the first diagnosed request (a few passes: a fraction of a
-second), and kept on the model.
+model and BLAS thread count (a few passes: a fraction of a second) and kept on the model: during
+a traced warm-up (``calibrate.prepare``, which ``minillm run`` and ``minillm serve`` reach before
+the model is called ready), else at the first diagnosed request.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import numpy as np
 
+from minillm.observe.calibrate import record_measurement
 from minillm.observe.metrics import blas_threads
 
 REPEATS = 3  # timed passes; the best counts (the closest to what the hardware gives)
@@ -35,6 +37,7 @@ def products_s_per_byte(model) -> float | None:
     rates = model.__dict__.setdefault("products_s_per_byte", {})  # BLAS threads -> seconds per byte
     threads = blas_threads()
     if threads not in rates:
+        t_start = time.perf_counter()
         inputs = [np.ones((1, m.shape[1]), dtype=np.float32) for m in matrices]  # [1, in] each
         best = float("inf")
         for i in range(REPEATS + 1):
@@ -44,4 +47,5 @@ def products_s_per_byte(model) -> float | None:
             if i:  # the first pass warms the pages and the BLAS
                 best = min(best, time.perf_counter() - t0)
         rates[threads] = best / sum(m.nbytes for m in matrices)
+        record_measurement("products_rate", time.perf_counter() - t_start)
     return rates[threads]

@@ -138,9 +138,14 @@ class Renderer:
 
     def _warmup(self, e: TraceEvent) -> None:
         d = e.data
+        cal = d.get("calibration") or {}
+        calibrated = ""  # the diagnosis's rates, measured now (once per machine) rather than in a request
+        if cal.get("measured_now"):
+            kept = " (a busy machine: kept for this process only)" if cal.get("busy") else ""
+            calibrated = f"; this machine calibrated for the diagnosis in {cal['seconds']:.1f} s{kept}"
         self.console.print(
             f"[bold]warm-up[/]: {d['tokens']} tokens + {d['decode_steps']} decode steps in "
-            f"{e.duration:.2f} s (reported apart from requests) -> [bold green]ready[/]"
+            f"{e.duration:.2f} s (reported apart from requests){calibrated} -> [bold green]ready[/]"
         )
 
     def _prepare(self, e: TraceEvent) -> None:

@@ -7,7 +7,7 @@ scheduler runs it in a continuous batch with the others (``worker.py``, ``runtim
     GET  /v1/traces/{id}        a finished request's trace events (the newest --keep-traces)
     GET  /v1/events             Server-Sent Events: requests, steps, the KV pool, live (``events.py``)
     GET  /ui                    the live page those events feed (``static/ui.html``)
-    GET  /health                503 while loading and warming up, 200 when ready
+    GET  /health                503 while loading and warming up (calibration included), 200 when ready
     GET  /metrics               Prometheus text: TTFT, TPOT, e2e, queue wait, tokens, KV bytes
 
 The model runs on one worker thread (``worker.py``); this module only moves bytes on the event loop.
@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import minillm
+from minillm.observe import calibrate
 from minillm.runtime.constraint import Constraint, grammar_for
 
 from . import protocol as p
@@ -103,6 +104,9 @@ def _add_status_routes(app: FastAPI, worker, served_model: str) -> None:
             body = {"status": "draining", "model": served_model, "in_flight": len(worker.guard.in_flight)}
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         body = {"status": worker.status, "model": served_model}
+        # how often this process measured the diagnosis's rates (machine, products rate): during the
+        # warm-up, before this answers 200; a request's step never pays one (calibrate.MEASUREMENTS)
+        body["calibration"] = {"measurements": calibrate.measurement_counts()}
         if worker.status == "loading" and worker.startup_delay_s > 0:
             body["note"] = f"startup delayed on purpose by --startup-delay {worker.startup_delay_s:g} s"
         if worker.error:
