@@ -19,8 +19,9 @@ transformers' order (``generation/utils.py: _get_logits_processor``; ``generatio
 Removed entries become ``-inf``, so softmax gives them probability exactly 0. Then ``sample``
 draws one id from softmax of what is left -- or, at temperature 0, takes the argmax (greedy).
 
-Numerics: no valid setting gives NaN or infinite probabilities; a step scaled beyond float32's
-range is greedy, computed as greedy, and a NaN logit is an error (``numerics.py`` says why).
+Numerics: no valid setting gives NaN or infinite probabilities, nor overflows on the way; a step
+whose scaled logits (or their distance) leave float32's range is measured from its largest logit,
+greedy when that one left it, and a NaN logit is an error (``numerics.py`` says why).
 """
 
 from __future__ import annotations
@@ -171,8 +172,9 @@ def apply_repetition_penalty(logits, seen_ids: Iterable[int], penalty: float) ->
 def apply_temperature(logits, temperature: float) -> np.ndarray:
     """Divide logits by ``temperature`` (> 0). Temperature 0 is greedy: handle it before this.
 
-    A temperature so small that the scaled logits leave float32's range (``3 / 1e-40``) gives
-    the limit, greedy: the largest logit at 0, the rest at -inf (``numerics.py``).
+    A temperature so small that the scaled logits, or the distance between two, leave float32's
+    range (``3 / 1e-40``; ``0.01 / 1e-40`` and ``-0.03 / 1e-40``) gives them measured from the
+    largest: it at 0, those further below than float32's range at -inf (``numerics.py``).
     """
     if not temperature > 0:
         raise SamplingParamsError(f"apply_temperature needs temperature > 0, got {temperature}; use argmax for 0")

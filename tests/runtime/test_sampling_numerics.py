@@ -9,6 +9,7 @@ scaled logits overflow must pick the argmax.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -112,15 +113,78 @@ def test_no_valid_parameters_give_nan_or_inf(logits, t, k, p, min_p, penalty, da
         assert all(np.isfinite(q) for _, q in candidates(logits, params, seen))
 
 
-@settings(max_examples=200, deadline=None)
+SMALLEST = float(np.finfo(np.float32).smallest_subnormal)  # 1.4e-45, the smallest positive float32
+# At most 0.01 / 120: logits at least 0.01 apart are then >= 120 apart once scaled, beyond the ~104
+# below the largest where float32's exp is 0 (exp(-104) < 1.4e-45 / 2 rounds to 0).
+SMALL_TEMPERATURE = st.one_of(st.floats(SMALLEST, 0.01 / 120),
+                              st.sampled_from([SMALLEST, 1e-40, 2.5e-40, 5e-37, 1e-30, 0.01 / 120]))
+
+
+def strict():
+    """Every floating-point warning an error: numpy's overflow, invalid and divide raise, and any
+    RuntimeWarning too (underflow to 0 is allowed inside the sampler, which says so where it happens)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("error")
+    stack.enter_context(np.errstate(**RAISE))
+    return stack
+
+
+def test_logits_apart_by_more_than_float32_holds_are_greedy_without_overflow():
+    """The issue's case: [0.01, -0.03] / 1e-40 = [1e38, -3e38], each inside float32's range but
+    4e38 apart; softmax's subtraction of the largest overflowed (a RuntimeWarning). By hand: id 0 is
+    4e38 above id 1, so it takes all the probability."""
+    with strict():
+        assert apply_temperature([0.01, -0.03], 1e-40).tolist() == [0.0, -np.inf]
+        token, probs = sample_with_probs([0.01, -0.03], SamplingParams(temperature=1e-40), np.random.default_rng(0))
+        assert token == 0 and probs.tolist() == [1.0, 0.0]
+        # raw logits as far apart (no temperature at all): the same distribution, no overflow
+        assert probabilities([3e38, -3e38, 2.9e38]).tolist() == pytest.approx([1.0, 0.0, 0.0])
+        assert sample([3e38, -3e38], SamplingParams(temperature=0.0)) == 0
+        # one logit scaled beyond float32's range (-3e38 / 2^-126), the two largest 1 apart once
+        # scaled (2^-125 and 2^-126, powers of two: exact): not greedy; softmax of [0, -1, -inf] by
+        # hand is e / (1 + e), 1 / (1 + e), 0
+        tiny = 2.0**-126
+        assert apply_temperature([2 * tiny, tiny, -3e38], tiny).tolist() == [0.0, -1.0, -np.inf]
+        probs = probabilities(apply_temperature([2 * tiny, tiny, -3e38], tiny))
+        np.testing.assert_allclose(probs, [np.e / (1 + np.e), 1 / (1 + np.e), 0.0], rtol=1e-6)
+
+
+@settings(max_examples=300, deadline=None)
 @given(logits=hnp.arrays(np.float32, st.integers(2, 30), elements=st.integers(-10_000, 10_000).map(lambda i: i / 100),
                          unique=True),
+       t=SMALL_TEMPERATURE, seed=st.integers(0, 2**32 - 1))
+def test_any_tiny_temperature_is_greedy_without_a_warning(logits, t, seed):
+    """Any temperature from the smallest float32 up to 0.01 / 120, on logits at least 0.01 apart:
+    every gap / t is >= 120, more than the ~104 that takes float32's exp to 0 (or beyond float32's
+    range), so the draw is the argmax (by hand: the t -> 0 limit), with no floating-point warning."""
+    with strict():
+        assert sample(logits, SamplingParams(temperature=t), np.random.default_rng(seed)) == int(np.argmax(logits))
+
+
+BIG = float(np.finfo(np.float32).max)
+FLOAT32 = st.one_of(st.floats(width=32, allow_nan=False, allow_infinity=False),
+                    st.sampled_from([BIG, -BIG, 3e38, -3e38, 1e38, -1e38, 0.01, -0.03]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(logits=hnp.arrays(np.float32, st.integers(2, 30), elements=st.one_of(FLOAT32, st.just(-np.inf))),
+       t=st.one_of(SMALL_TEMPERATURE, st.floats(0.01 / 120, 1e300), st.sampled_from([0.5, 1.0, 2.0])),
        seed=st.integers(0, 2**32 - 1))
-def test_any_overflowing_temperature_is_greedy(logits, seed):
-    """t = 1e-40 on logits at least 0.01 apart: every gap / t is >= 1e38, far more than the ~104
-    that takes exp to 0 (or beyond float32), so the draw is the argmax (by hand: the t -> 0 limit)."""
-    with np.errstate(**RAISE):
-        assert sample(logits, SamplingParams(temperature=1e-40), np.random.default_rng(seed)) == int(np.argmax(logits))
+def test_any_float32_logits_at_any_temperature_never_overflow(logits, t, seed):
+    """Any float32 logits (up to +-3.4e38, masked ids too) at any positive temperature: no
+    floating-point warning, finite probabilities summing to 1; and wherever the largest is more
+    than 120 / t above the next (by hand, in float64), the draw is the argmax."""
+    if np.isneginf(logits).all():
+        logits[0] = 0.0
+    with strict():
+        token, probs = sample_with_probs(logits, SamplingParams(temperature=t), np.random.default_rng(seed))
+        assert np.isfinite(probs).all() and abs(float(probs.sum(dtype=np.float64)) - 1.0) < 1e-5
+        assert probs[token] > 0 and (probs[np.isneginf(logits)] == 0).all()
+    ranked = np.sort(logits.astype(np.float64))[::-1]
+    scale = float(np.float32(t)) or SMALLEST  # the temperature as float32 holds it (as transformers)
+    if (ranked[0] - ranked[1]) / scale > 120:
+        assert token == int(np.argmax(logits))
 
 
 def test_rounding_of_the_float32_result_is_unchanged():
