@@ -8,7 +8,9 @@ under minillm's cache folder, keyed by a fingerprint of the machine (CPU, cores,
 BLAS and its threads), so they are measured once per machine (``minillm calibrate`` redoes it).
 A measurement taken while other processes kept half a core or more busy (:attr:`Machine.busy`)
 describes the neighbours as much as the machine: this process uses it, but it is never kept as the
-machine's, so the next process (or ``minillm calibrate``) measures again (``$MINILLM_CALIBRATION`` moves the file: the
+machine's, so the next process (or ``minillm calibrate``) measures again. ``minillm run`` and
+``minillm serve`` measure during the warm-up (``describe_summary.prepare_expectations``), so that
+pause is the start's, never a request's step. ``$MINILLM_CALIBRATION`` moves the file (the
 test suite points it at a file of its own, so no test reads a user's cached rates).
 
 The rates, each the best of a few runs (the best is the closest to what the hardware gives):

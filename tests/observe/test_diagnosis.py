@@ -149,8 +149,9 @@ def test_contention_advice_whatever_phase_dominates():
                  others_cpu_share=0.45, cores=2)
     assert d.dominant == "loading" and [f[0] for f in d.findings] == ["threads"]
     assert d.main[1] == "slow on a shared machine (other processes used 45% of the cores)"
-    assert d.main[2] == ("threads: 2 BLAS threads compete with other processes for 2 cores, and a BLAS thread that "
-                         "loses its core stalls every matrix multiply; run with --threads 1 (minillm.load(..., threads=1))")
+    assert d.main[2] == ("threads: 2 BLAS threads compete with other processes for 2 cores, and a BLAS thread "
+                         "that loses its core stalls every matrix multiply; run with --threads 1 "
+                         "(minillm.load(..., threads=1))")
 
 
 def test_slow_phases_on_a_busy_machine_say_the_neighbours_shared_the_cores():
@@ -263,18 +264,29 @@ def test_a_1500_token_prompt_gives_the_prefill_finding(smollm2, this_machine):
 
 
 @pytest.mark.slow
-def test_a_50_ms_sleep_per_decode_step_gives_the_decode_finding(smollm2, this_machine, monkeypatch):
+def test_a_sleep_of_three_expected_tpots_per_decode_step_gives_the_decode_finding(smollm2, this_machine, monkeypatch):
+    """Each decode step sleeps three times what a step should take, by the same expectation the
+    diagnosis reads (this machine's rates and the model's products, at the longest context the
+    request reaches): TPOT is then above twice its expectation whatever the step itself took, on
+    a quiet machine or a busy one (a fixed 50 ms was under 2x a busy calibration's expectation)."""
     import minillm.runtime.generate as generate
+    from minillm.observe.products_rate import products_s_per_byte
 
+    prompt, new = "The capital of France is", 8
+    longest = len(minillm.tokenize(smollm2, prompt)) + new  # the expectation grows with the context
+    expected = calibrate.expected_tpot_s(
+        calibrate.model_sizes(smollm2), calibrate.machine(), longest, products_s_per_byte(smollm2)
+    )
     real = generate.decode_step
 
     def slow_decode_step(*args, **kwargs):
-        time.sleep(0.05)  # injected on purpose: this test slows decode
+        time.sleep(3 * expected)  # injected on purpose: this test slows decode
         return real(*args, **kwargs)
 
     monkeypatch.setattr(generate, "decode_step", slow_decode_step)
-    s = summary_of(smollm2, "The capital of France is", max_new_tokens=8)
-    assert s["tpot_s"] > 0.05
+    s = summary_of(smollm2, prompt, max_new_tokens=new)
+    decode = next(c for c in s["diagnosis"]["checks"] if c[0] == "decode")  # [phase, measured, expected, ratio]
+    assert decode[2] <= expected and decode[3] > 2  # the summary's own expectation, and the step above 2x it
     assert "decode" in [f[0] for f in s["diagnosis"]["findings"]], s["diagnosis"]
 
 
