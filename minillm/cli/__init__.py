@@ -27,7 +27,7 @@ from rich.table import Table
 
 from minillm.cli.cache import add_cache_command, run_cache
 from minillm.cli.chat import run_conversation
-from minillm.cli.options import add_request_args
+from minillm.cli.options import add_request_args, bare_verbosity
 from minillm.cli.request import run_request
 from minillm.errors import MiniLLMError
 from minillm.serve import add_commands as add_serve_commands
@@ -109,8 +109,10 @@ def _cmd_models(console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``minillm`` console script; returns the exit status."""
+    import sys
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(bare_verbosity(sys.argv[1:] if argv is None else list(argv)))
     if args.command is None:
         parser.print_help()
         return 2

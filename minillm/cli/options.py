@@ -86,14 +86,47 @@ def _add_stop_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+VERBOSITY = ("quiet", "summary", "steps", "full")
+#: What ``-v`` alone means: the level above the default ``steps``.
+BARE_VERBOSITY = "full"
+
+
+def bare_verbosity(argv: list[str]) -> list[str]:
+    """``-v`` (or ``--verbosity``) followed by a word that is no level, e.g. the prompt in
+    ``minillm run -v "The capital of France is"``, means -v alone: :data:`BARE_VERBOSITY` is put
+    after it, so argparse does not take the prompt for a level. A word close to a level (``-v summry``)
+    is left for argparse to refuse, naming the levels. Only ``run`` and ``chat``; nothing after ``--``
+    changes."""
+    from difflib import get_close_matches
+
+    if not argv or argv[0] not in ("run", "chat"):
+        return list(argv)
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        out.append(arg)
+        if arg in ("-v", "--verbosity") and i + 1 < len(argv):
+            following = argv[i + 1]
+            typo = get_close_matches(following.lower(), VERBOSITY, n=1, cutoff=0.6)
+            if following not in VERBOSITY and not following.startswith("-") and not typo:
+                out.append(BARE_VERBOSITY)
+    return out
+
+
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     """How much of the request's trace is printed, and where its events go."""
     p.add_argument(
         "--verbosity",
         "-v",
-        choices=("quiet", "summary", "steps", "full"),
+        nargs="?",
+        const=BARE_VERBOSITY,
+        choices=VERBOSITY,
         default=None,
-        help="how much of the trace to print (default steps; a conversation on the terminal: only the answers)",
+        help="how much of the trace to print: quiet (the text only), summary, steps (default: compact, a "
+        "short request fits one screen), full (+ the config, tokenizer and memory tables, the causal mask, "
+        f"every token and step); -v alone means -v {BARE_VERBOSITY}. A conversation on the terminal prints only "
+        "the answers unless -v is given",
     )
     p.add_argument("--trace", choices=("rich", "json"), default="rich", help="rich (default), or json: JSON lines")
     p.add_argument(

@@ -189,7 +189,8 @@ def tokenize(model, ids: np.ndarray) -> dict[str, Any]:
 
 
 def prefill(model, tokens: int, offset: int, cache_length: int, probs: np.ndarray | None, token: int) -> dict[str, Any]:
-    """The prefill: positions written, its masks (recomputed from its positions: pictures), top first tokens."""
+    """The prefill: positions written, its masks (recomputed from its positions: pictures), top first
+    tokens, and the first token sampled from its logits (``token``, its ``piece`` and ``prob``)."""
     cfg, transformer = model.config, model.transformer
     sliding = transformer.layer_types.count(LayerType.SLIDING)
     masks = {}
@@ -204,6 +205,9 @@ def prefill(model, tokens: int, offset: int, cache_length: int, probs: np.ndarra
         sliding_layers=sliding,
         masks=masks,
         candidates=_candidates(model, probs),
+        token=int(token),
+        piece=model.tokenizer.piece_for_display(int(token)) if hasattr(model, "tokenizer") else str(token),
+        prob=float(probs[token]) if probs is not None else float("nan"),
     )
 
 
@@ -300,9 +304,19 @@ def batch_step(
     )
 
 
-def stop(model, reason: StopReason, condition, text: str, ends_inside_character: bool = False, **numbers) -> dict:
+def stop(
+    model,
+    reason: StopReason,
+    condition,
+    text: str,
+    ends_inside_character: bool = False,
+    cache: str = "freed",
+    **numbers,
+) -> dict:
     """Why the request ended, in a sentence with its numbers (:func:`describe_stop`); and, when the
-    last tokens are only the first bytes of a character, that the text ends in U+FFFD because of it."""
+    last tokens are only the first bytes of a character, that the text ends in U+FFFD because of it.
+    ``cache``: what the request's end did with its KV cache: ``freed`` (its own), ``emptied`` (a
+    cache the caller gave), ``kept`` (a conversation's, for the next turn)."""
     tok = model.tokenizer
     eos_text = tok.decode([condition], skip_special_tokens=False) if reason is StopReason.EOS else ""
     detail = describe_stop(reason, condition, eos_ids=sorted(tok.eos_token_ids), eos_text=eos_text, **numbers)
@@ -311,4 +325,6 @@ def stop(model, reason: StopReason, condition, text: str, ends_inside_character:
             "; the output ends inside a character: the last tokens hold only its first bytes, "
             "so the text ends in U+FFFD '\ufffd' (as the full decode does)"
         )
-    return dict(reason=reason.value, condition=condition, text=text, detail=detail)
+    return dict(
+        reason=reason.value, condition=condition, text=text, detail=detail, new_tokens=numbers["n_new"], cache=cache
+    )

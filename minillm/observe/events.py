@@ -22,7 +22,7 @@ from typing import Any
 
 from minillm.observe import describe
 from minillm.observe.metrics import cpu_snapshot, others_cpu_share
-from minillm.observe.render import Renderer
+from minillm.observe.render import Renderer, on_a_terminal
 from minillm.observe.trace_event import TraceEvent
 
 VERBOSITY = ("quiet", "summary", "steps", "full")
@@ -46,12 +46,14 @@ class Tracer:
 
     Args:
         console: a ``rich.console.Console`` to print to, or None to only collect.
-        verbosity: ``quiet`` (nothing printed), ``summary`` (load, stop, summary), ``steps``
-            (every phase; decode steps 1-5, every ``fold_every``-th, and the last), ``full``
-            (every phase and every step).
+        verbosity: ``quiet`` (nothing printed), ``summary`` (load, detokenize, stop, free,
+            summary), ``steps`` (every phase, compact: decode steps 1-5, every ``fold_every``-th
+            and the last; a short request fits one screen), ``full`` (every phase and every step,
+            with the config, tokenizer and memory tables; ``render.py``).
         fold_every: see ``steps``.
         live: show the streamed text in a rich Live view at the bottom of a terminal (default:
-            only when the console is a terminal; piped output gets the text at the stop event).
+            only when the console writes to a real terminal, ``render.on_a_terminal``; a pipe, a
+            file or a notebook, colours forced or not, gets the text once, at the stop event).
     """
 
     def __init__(self, console=None, verbosity: str = "steps", fold_every: int = 10, live: bool | None = None):
@@ -67,7 +69,7 @@ class Tracer:
         self._cpu_at_creation = cpu_snapshot()  # a tracer made before load measures others' share over it
         self._load_share = float("nan")
         if console is not None and verbosity != "quiet":
-            live = console.is_terminal if live is None else live
+            live = on_a_terminal(console) if live is None else live  # not a pipe with colours forced
             self._renderer = Renderer(console, verbosity, fold_every, live=live)
 
     def on_event(self, phase: str, start: float, duration: float, model, facts: dict[str, Any]) -> None:

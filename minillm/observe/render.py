@@ -1,14 +1,24 @@
 """The rich renderer of trace events: what a student reads in a terminal or a notebook.
 
-Each phase has one small function (the summary's tables are in ``render_summary.py``). The streamed
-text shows in a rich ``Live`` view at the bottom of a terminal while the step lines print above it;
-piped output gets the text at the stop event.
+One rule (a heading across the terminal) per phase of lesson 1's lifecycle, in its order::
+
+    load -> request -> tokenize -> prefill (+ the first sample) -> decode (decode_step + sample,
+    a row per step) -> detokenize -> stop -> free -> summary
+
+Verbosity ``steps`` (the default) is compact: a short request fits one projector screen (about
+40 lines at 100 columns). ``full`` adds the model's config, weights and tokenizer tables, every
+prompt token as a row, the causal mask, every decode step, the memory tables and the diagnosis's
+calibration. ``summary`` keeps load, detokenize, stop, free and the summary. The load and summary
+sections are in ``render_load.py`` and ``render_summary.py``.
+
+The streamed text shows in a rich ``Live`` view at the bottom of a real terminal while the step
+lines print above it; elsewhere (a pipe, a file, a notebook, even with colours forced) the text is
+printed once, under the detokenize rule.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+from rich.cells import cell_len
 from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
@@ -16,23 +26,36 @@ from rich.table import Table
 from rich.text import Text
 
 from minillm.observe.metrics import format_bytes
+from minillm.observe.render_load import print_load
 from minillm.observe.render_summary import print_summary
 from minillm.observe.trace_event import TraceEvent
 
-#: A prompt's token table shows this many rows at each end unless verbosity is "full".
+#: A prompt's tokens: this many at each end unless verbosity is "full".
 TOKEN_ROWS_SHOWN = 10
 #: A message longer than this (characters; an attached document) is printed once: with the messages,
 #: and folded in "text the model reads", unless verbosity is "full".
 FOLD_MESSAGE_CHARS = 300
+#: The decode table's header: each row is one decode_step (the token fed at pos) and one sample.
+DECODE_HEADER = f"{'step':>4} {'pos':>5}  {'fed':>14} -> {'sampled':<14} {'prob':>5}  {'ms':>7}  other candidates"
+#: What the request's end did with its KV cache (the stop event's ``cache``).
+CACHE_FATE = {
+    "freed": "freed",
+    "emptied": "emptied for the caller's next request (its memory stays allocated)",
+    "kept": "kept for the conversation's next turn",
+}
 
 
-def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
-    table = Table(title=title, title_justify="left", show_header=False, box=None, padding=(0, 2))
-    table.add_column(style="cyan", no_wrap=True)
-    table.add_column()
-    for key, value in rows:
-        table.add_row(key, escape(str(value)))
-    return table
+def on_a_terminal(console: Console) -> bool:
+    """True when ``console`` writes to a real terminal, where a Live view can redraw in place.
+
+    rich's ``is_terminal`` is also True when colours are forced (``FORCE_COLOR``, ``TTY_COMPATIBLE``)
+    into a pipe or a file; there every redraw of a Live view would stay in the output as one more line.
+    """
+    isatty = getattr(console.file, "isatty", None)
+    try:
+        return bool(console.is_terminal and not console.is_dumb_terminal and isatty is not None and isatty())
+    except ValueError:  # a closed file
+        return False
 
 
 def _candidates_text(cands: list[tuple[str, float]]) -> str:
@@ -42,16 +65,20 @@ def _candidates_text(cands: list[tuple[str, float]]) -> str:
 class Renderer:
     """Prints each event with rich as it arrives; keeps the Live view of the streamed text.
 
-    ``verbosity`` and ``fold_every``: the ``events.Tracer``'s (which events and decode steps to print).
+    ``verbosity`` and ``fold_every``: the ``events.Tracer``'s (which events and decode steps to print);
+    ``live``: show the streamed text in a Live view (only on a real terminal: :func:`on_a_terminal`).
     """
 
     def __init__(self, console: Console, verbosity: str, fold_every: int, live: bool = False):
         self.console = console
         self.verbosity, self.fold_every = verbosity, fold_every
+        self.full = verbosity == "full"
         self.use_live = live
         self.live: Live | None = None
         self.text = ""
         self.folded = 0  # decode steps not printed since the last printed one
+        self.prefilled = self.decoding = False  # this request's prefill / decode rule printed
+        self.cache_fate = "freed"  # the last stop event's: what the request did with its KV cache
 
     # --- streamed text --------------------------------------------------------------------------
     def stream_text(self, delta: str) -> None:
@@ -68,6 +95,12 @@ class Renderer:
             self.live.stop()
             self.live = None
 
+    def _end_folded(self) -> None:
+        if self.folded:
+            steps = f"{self.folded} step{'s' if self.folded > 1 else ''}"
+            self.console.print(f"[dim]   … {steps} folded (-v full shows every step)[/]")
+            self.folded = 0
+
     # --- events ---------------------------------------------------------------------------------
     def render(self, e: TraceEvent) -> None:
         brief = self.verbosity == "summary"
@@ -76,58 +109,11 @@ class Renderer:
             return
         if e.phase in ("stop", "summary"):
             self._end_live()
-            if self.folded:
-                self.console.print(f"[dim]   … {self.folded} steps folded (-v full shows every step)[/]")
-                self.folded = 0
+            self._end_folded()
         method(e)
 
     def _load(self, e: TraceEvent) -> None:
-        c, d = self.console, e.data
-        c.rule(f"[bold]load[/] {escape(d['name'])}  ({e.duration:.2f} s)")
-        c.print(f"source: [green]{d['source']}[/]  folder: {escape(str(d['path']))}")
-        for note in d.get("notes", []):
-            c.print(f"  note: {escape(note)}")
-        c.print(_kv_table("config", list(d["config"].items())))
-        w = d["weights"]
-        how = "memory-mapped, paged in on first use" if w.get("mapped") else "in memory"
-        rows = [
-            ("parameters", f"{w['parameters']:,}"),
-            ("held as", f"{_held(w)}, {how}"),
-        ]
-        rows += [(f"stored {k}", f"{n:,} params, {format_bytes(w['bytes_stored'][k])}") for k, n in w["stored"].items()]
-        if w.get("seconds"):
-            rows.append(("seconds", ", ".join(f"{k} {v:.2f}" for k, v in w["seconds"].items())))
-        if w.get("unused"):
-            rows.append(("unused tensors", ", ".join(w["unused"])))
-        c.print(_kv_table("weights", rows))
-        t = d["tokenizer"]
-        c.print(
-            _kv_table(
-                "tokenizer", [("vocab", f"{t['vocab_size']:,}"), ("special", t["special"]), ("eos ids", t["eos_ids"])]
-            )
-        )
-        for a in d.get("adapters", []):  # LoRA: W' = W + scaling * (B A)^T, merged or computed apart
-            c.print(
-                _kv_table(
-                    f"LoRA adapter {a['name']} ({a['mode']})",
-                    [
-                        ("rank, alpha", f"r={a['rank']}, alpha={a['alpha']:g}"),
-                        ("scaling", f"{a['scaling']:.4g} (alpha / {'sqrt(r), rsLoRA' if a['rslora'] else 'r'})"),
-                        ("targets", f"{', '.join(a['targets'])} in {a['layers']} layers ({a['modules']} modules)"),
-                        (
-                            "adds",
-                            f"{a['parameters']:,} params, {format_bytes(a['bytes'])}"
-                            + (" (folded into the weights)" if a["mode"] == "merged" else " (kept beside the weights)"),
-                        ),
-                        ("load", f"{a['seconds']:.2f} s"),
-                    ],
-                )
-            )
-        c.print("seconds per step: " + ", ".join(f"{k} {v:.2f}" for k, v in d["seconds"].items()))
-        for blas in d.get("blas", []):
-            c.print(f"BLAS: {escape(blas)}")
-        if k := d.get("kernels"):
-            c.print(f"kernels: {escape(k['name'])} ({escape(k['source'])})")
+        print_load(self.console, e.data, e.duration, self.full)
 
     def _attach(self, e: TraceEvent) -> None:
         d = e.data
@@ -150,20 +136,21 @@ class Renderer:
 
     def _prepare(self, e: TraceEvent) -> None:
         c, d = self.console, e.data
+        self.prefilled = self.decoding = False  # a new request (a conversation's next turn)
+        self.text = ""
         c.rule("[bold]request[/] " + ("chat template" if d["chat"] else "completion"))
         for m in d["messages"]:
             c.print(f"[magenta]{m['role']}[/]: {escape(m['content'])}")
         text = self._model_text(d)
         for special in d.get("special_tokens", []):
             text.highlight_words([special], style="bold yellow")  # role delimiters, generation marker
-        c.print(Text("text the model reads:", style="bold"))
-        c.print(text)
+        c.print(Text("text the model reads: ", style="bold") + text)
 
     def _model_text(self, d: dict) -> Text:
         """The text the model reads; a long message (an attached document), shown just above, is
         folded here unless verbosity is "full", so the document is printed once."""
         raw, text, pos = d["text"], Text(), 0
-        for m in d["messages"] if self.verbosity != "full" else ():
+        for m in d["messages"] if not self.full else ():
             content = m.get("content")
             if not isinstance(content, str) or len(content) <= FOLD_MESSAGE_CHARS:
                 continue
@@ -179,25 +166,55 @@ class Renderer:
     def _tokenize(self, e: TraceEvent) -> None:
         d = e.data
         self.console.rule(f"[bold]tokenize[/] {len(d['ids'])} tokens  ({e.duration * 1e3:.1f} ms)")
-        table = Table(box=None, padding=(0, 1))
-        for col, justify in (("pos", "right"), ("id", "right"), ("piece", "left")):
-            table.add_column(col, justify=justify)
         specials = set(d.get("special_ids", ()))
-        rows = list(enumerate(zip(d["ids"], d["pieces"], strict=True)))
-        folded = 0
-        if self.verbosity != "full" and len(rows) > 2 * TOKEN_ROWS_SHOWN + 1:  # a long prompt: its ends
-            folded = len(rows) - 2 * TOKEN_ROWS_SHOWN
-            rows = rows[:TOKEN_ROWS_SHOWN] + [None] + rows[-TOKEN_ROWS_SHOWN:]
-        for row in rows:
-            if row is None:
-                table.add_row("", "", Text(f"… {folded:,} tokens folded (-v full shows every token)", style="dim"))
-                continue
-            pos, (tid, piece) = row
-            table.add_row(str(pos), str(tid), Text(piece, style="bold yellow" if tid in specials else ""))
-        self.console.print(table)
+        tokens = [(pos, tid, Text(piece, style="bold yellow" if tid in specials else ""))
+                  for pos, (tid, piece) in enumerate(zip(d["ids"], d["pieces"], strict=True))]  # fmt: skip
+        if self.full:  # a row per token
+            table = Table(box=None, padding=(0, 1))
+            for col, justify in (("pos", "right"), ("id", "right"), ("piece", "left")):
+                table.add_column(col, justify=justify)
+            for pos, tid, piece in tokens:
+                table.add_row(str(pos), str(tid), piece)
+            self.console.print(table)
+            return
+        if len(tokens) <= 2 * TOKEN_ROWS_SHOWN + 1:
+            self._token_columns(tokens)
+            return
+        self._token_columns(tokens[:TOKEN_ROWS_SHOWN])  # a long prompt: its ends
+        folded = len(tokens) - 2 * TOKEN_ROWS_SHOWN
+        self.console.print(f"[dim]  … {folded:,} tokens folded (-v full shows every token)[/]")
+        self._token_columns(tokens[-TOKEN_ROWS_SHOWN:])
+
+    def _token_columns(self, tokens: list[tuple[int, int, Text]]) -> None:
+        """The tokens as columns, three lines (pos, id, piece) per screen width::
+
+              pos  0    1         2    3        4
+               id  504  3575      282  4649     314
+            piece  The  ␣capital  ␣of  ␣France  ␣is
+        """
+        labels = ("  pos", "   id", "piece")
+        room = max(self.console.width, 20)
+        lines = [Text(label) for label in labels]
+        for pos, tid, piece in tokens:
+            cells = (Text(str(pos)), Text(str(tid)), piece)
+            width = max(cell_len(cell.plain) for cell in cells)
+            if len(lines[0]) > 5 and len(lines[0]) + 2 + width > room:  # the screen is full: print, go on
+                self._print_lines(lines)
+                lines = [Text(label) for label in labels]
+            for line, cell in zip(lines, cells, strict=True):
+                line.append("  ")
+                line.append_text(cell)
+                line.append(" " * (width - cell_len(cell.plain)))
+        self._print_lines(lines)
+
+    def _print_lines(self, lines: list[Text]) -> None:
+        for line in lines:
+            line.rstrip()
+            self.console.print(line, no_wrap=True, overflow="crop")
 
     def _prefill(self, e: TraceEvent) -> None:
         c, d = self.console, e.data
+        self.prefilled = True
         c.rule(
             f"[bold]prefill[/] {d['tokens']} tokens in {e.duration:.3f} s  "
             f"({d['tokens'] / max(e.duration, 1e-9):,.0f} tokens/s)"
@@ -207,32 +224,37 @@ class Renderer:
             f"= {d['layers'] * d['tokens']:,} (k and v), cache length {d['cache_length']}"
         )
         masks = d.get("masks") or {}
-        if "full_attention" in masks:
+        if "full_attention" in masks and self.full:
             c.print("causal mask (row = query position, ■ = may attend):")
             c.print(Text(masks["full_attention"], style="dim"))
-        if "sliding_attention" in masks:
+        if "sliding_attention" in masks and self.full:
             c.print(
                 f"sliding-window mask, window {d['sliding_window']} ({d['sliding_layers']} of {d['layers']} "
                 "layers; each query sees itself and the window - 1 positions before it):"
             )
             c.print(Text(masks["sliding_attention"], style="dim"))
         c.print("first-token candidates: " + escape(_candidates_text(d["candidates"])))
-        if self.verbosity != "summary":
-            c.print("[dim]each decode step feeds one token at position pos and samples the next:[/]")
-            c.print(
-                f"[dim]{'step':>4} {'pos':>5}  {'input':>14} -> {'output':<14} {'prob':>5}  {'ms':>7}  "
-                "other candidates[/]"
-            )
+        if "piece" in d:
+            prob = d.get("prob", float("nan"))
+            p = "" if prob != prob else f", p {prob:.2f}"  # NaN: no distribution was reported
+            c.print(f"[bold]sample[/]: {escape(d['piece'])} (id {d['token']}{p}), the first new token (TTFT ends here)")
+
+    def _decode_rule(self) -> None:
+        """The decode rule and its table's header, before the request's first decode step."""
+        if self.decoding or self.verbosity == "summary":
+            return
+        self.decoding = True
+        self.console.rule("[bold]decode[/]  a step = decode_step (feed one token at pos) + sample (the next)")
+        self.console.print(f"[dim]{DECODE_HEADER}[/]", highlight=False)
 
     def _decode(self, e: TraceEvent) -> None:
         d = e.data
+        self._decode_rule()
         step, last = d["step"], d.get("last", False)
-        if self.verbosity == "steps" and not (step <= 5 or step % self.fold_every == 0 or last):
+        if not self.full and not (step <= 5 or step % self.fold_every == 0 or last):
             self.folded += 1
             return
-        if self.folded:
-            self.console.print(f"[dim]   … {self.folded} steps folded (-v full shows every step)[/]")
-            self.folded = 0
+        self._end_folded()
         alts = _candidates_text([c for c in d["candidates"] if c[0] != d["piece"]][:4])
         self.console.print(
             f"{step:>4} {d['position']:>5}  {escape(d['input_piece']):>14} -> "
@@ -245,7 +267,7 @@ class Renderer:
     def _mask(self, e: TraceEvent) -> None:
         """A constraint's mask: every step at -v full, else only the steps that forced a run."""
         d = e.data
-        if not d["forced"] and self.verbosity != "full":
+        if not d["forced"] and not self.full:
             return
         few = " ".join(d["allowed_pieces"]) if d["allowed"] <= 8 else ""
         forced = f"; forced run of {len(d['forced'])}: {''.join(d['forced_pieces'])}" if d["forced"] else ""
@@ -259,6 +281,7 @@ class Renderer:
         """One line per verification: drafted pieces (kept ones bold), the token after them, the rates."""
         if (d := e.data) and self.verbosity == "summary":
             return
+        self._decode_rule()
         pieces = [f"[bold]{escape(p)}[/]" if j < d["accepted"] else f"[strike dim]{escape(p)}[/]"
                   for j, p in enumerate(d["drafted"])]  # fmt: skip
         how = "bonus" if d["bonus"] else "resampled"
@@ -291,25 +314,35 @@ class Renderer:
             no_wrap=True,
             overflow="ellipsis",
         )
-        if self.verbosity == "full" or d["admitted"] or d["preempted"] or d["finished"]:
+        if self.full or d["admitted"] or d["preempted"] or d["finished"]:
             if d["table_picture"]:
                 c.print(Text(d["table_picture"], style="dim"))
             c.print(Text(d["pool_picture"], style="dim"))
 
     def _stop(self, e: TraceEvent) -> None:
+        """Three of lesson 1's phases end the request: detokenize (the text), stop (why), and at the
+        summary, free (what became of the KV cache)."""
         c, d = self.console, e.data
+        if self.prefilled and not self.decoding and self.verbosity != "summary":
+            c.rule("[bold]decode[/]  no step: the request ended at its first token", style="dim")
+        self.prefilled = self.decoding = False
+        self.cache_fate = d.get("cache", "freed")
+        n = d.get("new_tokens")
+        ids = "" if n is None else f"{n} new id{'' if n == 1 else 's'} -> "
+        c.rule(f"[bold]detokenize[/] {ids}{len(d['text']):,} characters")
+        c.print(Text("output: ", style="bold") + Text(d["text"]))
         c.rule(f"[bold]stop[/]: {d['reason']}")
         if d.get("detail"):
             c.print(escape(d["detail"]))
-        c.print(Text("output: ", style="bold") + Text(d["text"]))
 
     def _summary(self, e: TraceEvent) -> None:
-        print_summary(self.console, e.data)
-
-
-def _held(w: dict) -> str:
-    """The weights as held in memory, by format: ``float32 513.1 MiB``, or for ``weight_dtype="int8"``
-    ``int8 103.9 MiB + float32 25.3 MiB = 129.2 MiB`` (norms, and what the format leaves float32)."""
-    held = w.get("held") or {"float32": [w["parameters"], w["bytes_loaded"]]}
-    parts = [f"{fmt} {format_bytes(nbytes)}" for fmt, (_, nbytes) in sorted(held.items(), key=lambda kv: -kv[1][1])]
-    return parts[0] if len(parts) == 1 else " + ".join(parts) + f" = {format_bytes(w['bytes_loaded'])}"
+        m = e.data
+        per, used, reserved = m["kv_bytes_per_token"], m["kv_bytes_used"], m["kv_bytes_reserved"]
+        self.console.rule("[bold]free[/]")
+        if per:
+            self.console.print(
+                f"KV cache {CACHE_FATE.get(self.cache_fate, self.cache_fate)}: {reserved // per:,} positions x "
+                f"{format_bytes(per)} ({m.get('kv_dtype', 'float32')}) = {format_bytes(reserved)}, "
+                f"{used // per:,} written; the model stays loaded"
+            )
+        print_summary(self.console, m, full=self.full)

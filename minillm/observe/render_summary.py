@@ -11,8 +11,13 @@ from rich.text import Text
 from minillm.observe.metrics import WEIGHT_FORMATS, bits_per_weight, format_bytes
 
 
-def print_summary(c: Console, m: dict) -> None:
-    """Print the ``summary`` event's data ``m`` (``RequestMetrics`` as a dict, plus memory and diagnosis)."""
+def print_summary(c: Console, m: dict, full: bool = True) -> None:
+    """Print the ``summary`` event's data ``m`` (``RequestMetrics`` as a dict, plus memory and diagnosis):
+    ``full``, a row per number, the memory tables and the diagnosis with its calibration; else a few
+    lines and the diagnosis as one small table (:func:`print_compact_summary`)."""
+    if not full:
+        print_compact_summary(c, m)
+        return
     rows = [
         ("load", f"{m['load_s']:.2f} s"),
         ("warm-up", "skipped" if m.get("warmup_s") is None else f"{m['warmup_s']:.2f} s"),
@@ -92,6 +97,45 @@ def held_table(held: dict) -> Table:
     return table
 
 
+def print_compact_summary(c: Console, m: dict) -> None:
+    """The summary in a few lines: times and rates, sizes, the speculative rows, and the diagnosis with
+    a column per phase (measured, expected, ratio), then its findings or "healthy"."""
+    c.rule("[bold]summary")
+    c.print(
+        f"TTFT {m['ttft_s'] * 1e3:.1f} ms, TPOT {m['tpot_s'] * 1e3:.1f} ms (p50 {m['tpot_p50_s'] * 1e3:.1f}, "
+        f"p90 {m['tpot_p90_s'] * 1e3:.1f}); prefill {m['prefill_tokens_per_s']:,.0f} tokens/s, "
+        f"decode {m['decode_tokens_per_s']:,.1f} tokens/s"
+    )
+    share = m["others_cpu_share"]
+    warmup = "skipped" if m.get("warmup_s") is None else f"{m['warmup_s']:.2f} s"
+    c.print(
+        f"{m['prompt_tokens']} prompt + {m['new_tokens']} new tokens in {m['total_s']:.2f} s; load "
+        f"{m['load_s']:.2f} s, warm-up {warmup}; other processes: "
+        + ("unknown" if share != share else f"{share:.0%} of the cores")  # NaN: unknown
+    )
+    for key, value in _speculative_rows(m):
+        c.print(f"{key}: {value}")
+    d = m.get("diagnosis")
+    if not d:
+        return
+    threshold, checks, findings = d.get("threshold", 2.0), d.get("checks", []), d["findings"]
+    n = len(findings)
+    verdict = f"[bold red]{n} finding{'s' if n > 1 else ''}[/]" if n else "[bold green]healthy[/]"
+    if not checks:
+        c.print(f"diagnosis: {verdict}")
+    else:  # a column per phase; the verdict heads it
+        table = Table(box=None, padding=(0, 2))
+        table.add_column(f"diagnosis: {verdict}", style="cyan")
+        for phase, *_ in checks:
+            table.add_column(_PHASE_NAMES.get(phase, phase), justify="right")
+        table.add_row("measured", *(_seconds(measured) for _, measured, _, _ in checks))
+        table.add_row("expected", *("?" if e is None else _seconds(e) for _, _, e, _ in checks))
+        table.add_row(f"ratio (slow > {threshold:g}x)", *(_ratio(e, r, threshold) for _, _, e, r in checks))
+        c.print(table)
+    for _phase, symptom, points_to in findings:
+        c.print(f"  [bold]{escape(symptom)}[/] -> {escape(points_to)}")
+
+
 def print_diagnosis(c: Console, d: dict, calibration: dict | None = None) -> None:
     """Print the diagnosis: each phase measured against what this machine should take, then the findings."""
     threshold = d.get("threshold", 2.0)
@@ -99,14 +143,12 @@ def print_diagnosis(c: Console, d: dict, calibration: dict | None = None) -> Non
     table = Table(box=None, padding=(0, 2))
     for col in ("phase", "measured", "expected", "ratio"):
         table.add_column(col, justify="left" if col == "phase" else "right")
-    names = {"loading": "loading (local files)", "prefill": "TTFT (prefill)", "decode": "TPOT (decode)"}
     for phase, measured, expected, ratio in d.get("checks", []):
-        slow = expected is not None and ratio > threshold
         table.add_row(
-            names.get(phase, phase),
+            _PHASE_NAMES.get(phase, phase),
             _seconds(measured),
             "?" if expected is None else _seconds(expected),
-            "" if expected is None else Text(f"{ratio:.1f}x", style="bold red" if slow else "green"),
+            _ratio(expected, ratio, threshold),
         )
     c.print(table)
     if calibration:
@@ -119,14 +161,28 @@ def print_diagnosis(c: Console, d: dict, calibration: dict | None = None) -> Non
             + ("; on a busy machine: not kept, the next run measures again" if calibration.get("busy") else "")
             + "; `minillm calibrate` redoes it)[/]"
         )
+    _print_findings(c, d, threshold)
+
+
+_PHASE_NAMES = {"loading": "loading (local files)", "prefill": "TTFT (prefill)", "decode": "TPOT (decode)"}
+
+
+def _print_findings(c: Console, d: dict, threshold: float) -> None:
     if not d["findings"]:
         c.print(f"[bold green]healthy[/]: every phase within {threshold:g}x of what this machine should take")
     for _phase, symptom, points_to in d["findings"]:
         c.print(f"  [bold]{escape(symptom)}[/] -> {escape(points_to)}")
 
 
+def _ratio(expected: float | None, ratio: float, threshold: float) -> Text | str:
+    if expected is None:
+        return ""
+    return Text(f"{ratio:.1f}x", style="bold red" if ratio > threshold else "green")
+
+
 def _seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
 
 
 def _speculative_rows(m: dict) -> list[tuple[str, str]]:

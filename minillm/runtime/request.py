@@ -368,6 +368,7 @@ class Request:
             elapsed_s=self.metrics.total_s,
             include=self.include_stop_string,
             ends_inside_character=bool(getattr(self.output.detokenizer, "ends_inside_character", False)),
+            cache="freed" if self.own_cache else "kept" if self.keeps_cache else "emptied",  # what release() did
         )
         self._emit(
             "summary",

