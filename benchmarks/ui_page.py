@@ -1,6 +1,6 @@
 """The live page (GET /ui) in a real headless browser: Debian's Chromium driven by Playwright.
 
-    python -m benchmarks.ui_page                 # starts `minillm serve`, sends 3 requests, writes docs/ui.png
+    python -m benchmarks.ui_page    # minillm serve, classroom preset -> docs/ui-1280x720.png, ui-1920x1080.png
 
 Playwright's own browser download cannot work offline, so Chromium comes from apt
 (``apt-get install -y chromium-headless-shell``) and Playwright (``pip install playwright==1.64.1``,
@@ -59,10 +59,9 @@ def launch(playwright):
 
 
 @contextmanager
-def serve(log: Path, *flags: str):
-    """Run ``python -m minillm serve`` on a free port until the block ends; yield its base URL."""
-
-    port = free_port()
+def serve(log: Path, *flags: str, port: int | None = None):
+    """Run ``python -m minillm serve`` on ``port`` (default: a free one) until the block ends; yield its base URL."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "minillm", "serve", MODEL, "--port", str(port), "--threads", "1", *flags]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "120"})
@@ -92,27 +91,53 @@ def three_requests(page, max_tokens: int = 24) -> None:
     )
 
 
+#: The classroom preset (README, "Watch it live"): a pool small enough that each request's blocks
+#: are big squares (24 MiB: 34 blocks of 16 positions for SmolLM2-135M), and the page at ``/ui?zoom=``
+#: where a 200 ms decode step is about 30 px wide.
+CLASSROOM_FLAGS = ("--kv-cache-mib", "24")
+CLASSROOM_PAGE = "/ui?zoom=0.15"
+SIZES = ((1280, 720), (1920, 1080))
+
+
+def classroom_scene(page, slow_motion: str = "1") -> None:
+    """What the README's pictures show: a slow-motion request (its held steps between its own), then
+    the three prompts batched beside it; waits until the three have finished and the slow one has
+    made 8 tokens, then clicks a token of the slow one for its candidates."""
+    send_from_page(page, "Tell me a story about a lighthouse keeper.", 60, slow_motion=slow_motion)
+    page.wait_for_function("[...window.minillmLive.requests.values()].some(r => r.tokens.length >= 1)", timeout=120_000)
+    slow_id = page.evaluate("window.minillmLive.chosen")
+    for prompt in PROMPTS:
+        send_from_page(page, prompt, 24)
+    page.wait_for_function(
+        "[...window.minillmLive.requests.values()].filter(r => r.finished).length >= 3", timeout=300_000
+    )
+    page.wait_for_function(f"window.minillmLive.requests.get({slow_id!r}).tokens.length >= 8", timeout=300_000)
+    page.click("#fit")  # every step in view
+    page.locator(f'.req-row[data-request-id="{slow_id}"] .lane-label').click()
+    page.locator("#d-out .tok").nth(4).click()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Regenerate the README's picture of the page."""
+    """Regenerate the README's pictures of the page (the classroom preset, at 1280x720 and 1920x1080)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "docs" / "ui.png"), help="where the screenshot goes")
+    ap.add_argument("--out", default=str(ROOT / "docs"), help="the folder the screenshots go to")
     args = ap.parse_args(argv)
     from playwright.sync_api import sync_playwright
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with serve(out.with_suffix(".serve.log"), "-v", "quiet") as url, sync_playwright() as pw:
-        browser = launch(pw)
-        page = browser.new_page(viewport={"width": 1360, "height": 860})
-        page.goto(url + "/ui")
-        for prompt in PROMPTS:  # mid-flight: three requests batched, their blocks in the pool
-            send_from_page(page, prompt, 40)
-        page.wait_for_function("document.querySelectorAll('[data-batch-size=\"3\"]').length >= 24", timeout=300_000)
-        page.click("#d-out .tok:nth-child(3)")  # show one token's candidates
-        page.screenshot(path=str(out), full_page=True)
-        browser.close()
-    out.with_suffix(".serve.log").unlink(missing_ok=True)
-    print(f"wrote {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "ui.serve.log"
+    for width, height in SIZES:
+        with serve(log, "-v", "quiet", *CLASSROOM_FLAGS) as url, sync_playwright() as pw:
+            browser = launch(pw)
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.goto(url + CLASSROOM_PAGE)
+            classroom_scene(page)
+            path = out / f"ui-{width}x{height}.png"
+            page.screenshot(path=str(path))  # the viewport: what a projector shows
+            print(f"wrote {path}")
+            browser.close()
+    log.unlink(missing_ok=True)
     return 0
 
 

@@ -98,6 +98,7 @@ class Scheduler:
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []  # in admission order: the last is the newest
         self.steps = 0
+        self.held: list[BatchRequest] = []  # running requests the last step left out for slow motion
 
     def add(self, request: BatchRequest) -> None:
         """Queue a request; refuse it now if the whole pool could never hold it.
@@ -130,13 +131,18 @@ class Scheduler:
 
     # --- who runs this step ----------------------------------------------------------------------
     def schedule(self) -> tuple[list[tuple[BatchRequest, int]], list[BatchRequest], list[BatchRequest]]:
-        """Pick this step's rows: ``[(request, tokens to feed)]``, plus who was admitted and preempted."""
+        """Pick this step's rows: ``[(request, tokens to feed)]``, plus who was admitted and preempted.
+        Running requests that sit this step out for slow motion are kept in ``self.held``."""
         budget, rows, admitted, preempted = self.max_batched_tokens, [], [], []
+        self.held = []
         now = time.perf_counter()
         for request in list(self.running):  # oldest first
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            if request.hold_until > now:  # slow motion: it sits this step out, keeping its blocks
+                self.held.append(request)
+                continue
             if budget == 0:
-                break
-            if request not in self.running or request.hold_until > now:  # preempted earlier; slow motion
                 continue
             n = min(len(request.seen) - request.seq.length, budget)
             n += self._draft(request, n, budget)

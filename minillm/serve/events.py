@@ -11,8 +11,11 @@ The worker only appends to the ring (a lock held for one append) and schedules o
 the loop: a slow or stuck subscriber cannot slow the model, it only falls behind until the ring
 forgets what it has not sent, and then it is dropped. A page that reconnects with
 ``Last-Event-ID: N`` gets the events after N; an id the ring does not hold starts from the
-oldest kept event, which an SSE comment line says. With no subscriber, ``active`` is False and
-the worker builds no event at all.
+oldest kept event, which an SSE comment line says. Each stream then opens with one ``hello``
+event that has no ``id:`` (so a reconnect's Last-Event-ID is untouched): ``server`` names this
+process (random per start: a page that sees it change knows the server restarted and its step
+numbers began again), ``oldest`` and ``newest`` the ids the ring keeps. With no subscriber,
+``active`` is False and the worker builds no event at all.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import asyncio
 import itertools
 import json
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -61,6 +65,7 @@ class EventBus:
         self.capacity, self.max_subscribers = capacity, max_subscribers
         self.log = log or logging.getLogger("minillm.serve.events").warning
         self.t0 = time.perf_counter()  # events' "t": seconds since the bus was made
+        self.server = secrets.token_hex(4)  # this process's name on its streams (hello): new at each start
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=capacity)  # (id, SSE frame)
         self._next_id = 1
         self._lock = threading.Lock()
@@ -175,7 +180,7 @@ class EventBus:
 
     async def stream(self, sub: Subscriber, opening: str, send) -> None:
         """Send the subscriber its events until it leaves or is dropped (an ASGI ``send``)."""
-        await send({"type": "http.response.body", "body": opening.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": (opening + self.hello()).encode(), "more_body": True})
         while sub.dropped is None:
             frames = self.take(sub)
             if frames:
@@ -188,6 +193,13 @@ class EventBus:
                 await asyncio.wait_for(sub.wake.wait(), KEEPALIVE_S)
             except TimeoutError:
                 await send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+
+    def hello(self) -> str:
+        """The SSE frame each stream opens with: no ``id:`` line, ``data:`` ``{"type": "hello",
+        "t", "server", "oldest", "newest"}`` (the ids the ring keeps now)."""
+        oldest, newest = self._span()
+        body = {"type": "hello", "t": round(self.now(), 6), "server": self.server, "oldest": oldest, "newest": newest}
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     def take_ready(self, sub: Subscriber) -> bool:
         """True when an event after the cursor is already in the ring (published meanwhile)."""

@@ -7,9 +7,11 @@ False): no event is built, and the scheduler gets no listener, so it computes no
     request.admitted        the scheduler let it run: its prompt ids, cached prefix, slow motion
     request.prefill_chunk   one chunk of its prompt fed in a step
     request.token           one sampled token: id, piece, text, probability, top-5 candidates
+    request.text            the text its detokenizer released in a step (the answer, piece by piece)
     request.preempted       its blocks were taken back; it waits to be recomputed
-    request.finished        why it stopped, token counts, TTFT and TPOT (seconds)
-    step                    one scheduler step: start, duration, one row per request fed
+    request.finished        why it stopped, token counts, TTFT and TPOT (seconds), its whole text
+    step                    one scheduler step: start, duration, one row per request fed, and the
+                            running requests that sat it out for slow motion (``held``)
     pool                    the KV pool after the step: blocks used / free / cached, block tables
     load                    the model's load phases (always kept: a page opened later shows them)
 
@@ -31,6 +33,7 @@ class LiveFeed:
         self.bus = bus
         self._step = None  # (start, duration, facts) of the last batch_step, while subscribed
         self._read: dict[int, int] = {}  # request index -> trace events already turned into tokens
+        self._said: dict[int, int] = {}  # request index -> characters of its text already published
 
     # --- what the scheduler tells us (it is the scheduler's listener while someone subscribes) --
     def on_event(self, phase: str, start: float, duration: float, model, facts: dict) -> None:
@@ -56,6 +59,7 @@ class LiveFeed:
         if not self.bus.active:
             return
         summary = next((e["data"] for e in record["events"] if e["phase"] == "summary"), {})
+        stop = next((e["data"] for e in record["events"] if e["phase"] == "stop"), {})
         ttft = summary.get("ttft_s")
         self.bus.publish(
             "request.finished",
@@ -69,6 +73,7 @@ class LiveFeed:
                 "ttft_s": record["queue_wait_s"] + ttft if ttft else None,
                 "tpot_s": summary.get("tpot_s"),
                 "slow_motion_s": record.get("slow_motion_s", 0.0),
+                "text": stop.get("text", ""),
             },
         )
 
@@ -85,7 +90,10 @@ class LiveFeed:
             if index in active:
                 self._admitted(worker.model, active[index], step, cached)
         rows = [self._row(r, names) for r in facts["rows"]]
-        held = [names[r.index] for r in worker.scheduler.running if r.hold_until > start + duration]
+        # the scheduler's own list: running requests it left out of this step for slow motion
+        # (never one it fed, however long it holds after)
+        running = worker.scheduler.running
+        held = [names[r.index] for r in worker.scheduler.held if r in running and r.index in names]
         self.bus.publish(
             "step",
             {
@@ -102,6 +110,8 @@ class LiveFeed:
                 self.bus.publish("request.prefill_chunk", {"id": row["id"], "step": step, **_chunk(row)})
             if row["index"] in active:
                 self._tokens(worker, active[row["index"]], step)
+        for a in active.values():  # fed, or ended (cancelled, its held text flushed)
+            self._text(a, step)
         for index in facts["preempted"]:
             self.bus.publish("request.preempted", {"id": names.get(index, str(index)), "step": step})
         self._pool(worker.pool, facts, names)
@@ -164,6 +174,16 @@ class LiveFeed:
                     "top": cands,
                 },
             )
+
+    def _text(self, a, step: int) -> None:
+        """One request.text with what the request's detokenizer released since the last one (the
+        stop chain's text: UTF-8 whole, a stop string's prefix held back until it cannot match)."""
+        text = a.request.output.text
+        said = self._said.pop(a.request.index, 0)
+        if a.request.result is None:
+            self._said[a.request.index] = len(text)
+        if len(text) > said:
+            self.bus.publish("request.text", {"id": a.job.request_id, "step": step, "text": text[said:]})
 
     def _pool(self, pool, facts: dict, names: dict) -> None:
         self.bus.publish(

@@ -34,6 +34,14 @@ def test_ring_resume_unknown_id_cap_and_drop():
         sub, note = bus.subscribe("4", "a")
         assert note == ": minillm events: resuming after Last-Event-ID 4\n\n"
         assert [json.loads(f.decode().split("data: ")[1])["step"] for f in bus.take(sub)] == [4, 5]
+        hello = bus.hello()  # each stream's first frame: no id line, which server, which ids the ring keeps
+        assert hello.startswith("data: ") and hello.endswith("\n\n")
+        assert {k: v for k, v in json.loads(hello[6:]).items() if k != "t"} == {
+            "type": "hello",
+            "server": bus.server,
+            "oldest": 3,
+            "newest": 6,
+        }
         other, note = bus.subscribe("1", "b")  # id 1 left the ring
         assert "Last-Event-ID '1' is not in the ring (the ring keeps ids 3..6)" in note
         assert bus.take(other)[0].startswith(b"id: 3\n")
@@ -78,7 +86,7 @@ class Reader:
     """A subscriber on its own thread: every event (with its id) and comment it receives."""
 
     def __init__(self, url: str, last_id: str | None = None):
-        self.events, self.comments, self.stop = [], [], threading.Event()
+        self.events, self.comments, self.hellos, self.stop = [], [], [], threading.Event()
         headers = {"Last-Event-ID": last_id} if last_id is not None else {}
         self.thread = threading.Thread(target=self._read, args=(url, headers), daemon=True)
         self.thread.start()
@@ -98,7 +106,11 @@ class Reader:
                 elif line.startswith("id: "):
                     eid = int(line[4:])
                 elif line.startswith("data: "):
-                    self.events.append((eid, json.loads(line[6:])))
+                    event = json.loads(line[6:])
+                    if event["type"] == "hello":  # each stream's first, without an id: which server this is
+                        self.hellos.append(event)
+                    else:
+                        self.events.append((eid, event))
                 if self.stop.is_set():
                     return
 
@@ -186,22 +198,31 @@ def test_slow_motion_holds_one_request_and_pool_equals_metrics(server):
     replayed = len(reader.events)  # what the ring still held of earlier tests' requests
     before = metrics(url)
     done = {}
-    t = threading.Thread(target=lambda: done.update(chat(url, "Say yes.", 3, slow_motion_s=2.0)))
+    t = threading.Thread(target=lambda: done.update(chat(url, "Say yes.", 3, slow_motion_s=3.0)))
     t.start()
-    # while the only request sits out its 2 s, the pool cannot change: its last event equals /metrics
+    # while the only request sits out its 3 s, the pool cannot change: its last event equals /metrics
     reader.wait(lambda evs: any(e["type"] == "pool" and e["blocks_used"] > 0 for _, e in evs[replayed:]))
     pool = [e for _, e in reader.events[replayed:] if e["type"] == "pool"][-1]
     now = metrics(url)
     assert pool["blocks_used"] * pool["bytes_per_block"] == now["minillm_kv_cache_bytes_reserved"]
     assert pool["blocks_used"] == sum(len(t) for t in pool["tables"].values()) - _shared(pool["tables"])
+    # a plain request meanwhile runs its steps while the slow one sits out
+    other = chat(url, "Name a colour.", 6)
     t.join()
-    steps = [e for _, e in reader.events if e["type"] == "step" and done["id"] in [r["id"] for r in e["rows"]]]
-    # shown as held after each step but the last (it ended there)
-    assert len(steps) == 3 and all(done["id"] in s["held"] for s in steps[:-1]) and done["id"] not in steps[-1]["held"]
+    rid = done["id"]
+    steps = [e for _, e in reader.events[replayed:] if e["type"] == "step"]
+    fed = [s["step"] for s in steps if rid in [r["id"] for r in s["rows"]]]
+    held = [s["step"] for s in steps if rid in s["held"]]
+    assert len(fed) == 3  # prefill, then 2 decodes: each a step it was fed, never listed as held
+    assert not set(fed) & set(held)
+    # held exactly on the plain request's steps that ran between the slow one's first and last step
+    others = [s["step"] for s in steps if other["id"] in [r["id"] for r in s["rows"]]]
+    assert held and set(held) <= set(others) and all(fed[0] < h < fed[-1] for h in held)
     after = metrics(url)  # never counted in the latency metrics
     for name in ("minillm_time_to_first_token_seconds_count", "minillm_e2e_request_latency_seconds_count"):
-        assert after[name] == before[name]
-    assert after["minillm_generation_tokens_total"] == before["minillm_generation_tokens_total"] + 3
+        assert after[name] == before[name] + 1  # the plain request's
+    made = 3 + other["usage"]["completion_tokens"]
+    assert after["minillm_generation_tokens_total"] == before["minillm_generation_tokens_total"] + made
     reader.stop.set()
 
 
@@ -223,7 +244,8 @@ def stuck_subscriber(url: str) -> socket.socket:
 def greedy_ids(url, answers):
     out = []
     for a in answers:
-        decodes = [e["data"] for e in httpx.get(f"{url}/v1/traces/{a['id']}").json()["events"] if e["phase"] == "decode"]
+        trace = httpx.get(f"{url}/v1/traces/{a['id']}").json()["events"]
+        decodes = [e["data"] for e in trace if e["phase"] == "decode"]
         out.append([decodes[0]["input_token"]] + [d["token"] for d in decodes])
     return out
 
