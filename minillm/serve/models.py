@@ -85,7 +85,10 @@ class ModelSlot(Worker):
         return {"weights": self.model.transformer.weights.nbytes, "kv_pool": self.pool.nbytes}
 
     def load(self, evicted: list[tuple[str, str]]) -> dict[str, float]:
-        """Load, commit the KV pool, warm up; returns seconds by phase. Raises what ``minillm.load`` raises."""
+        """Load, commit the KV pool, warm up; returns seconds by phase. Raises what ``minillm.load`` raises.
+
+        The ``warmup`` phase includes what the requests' diagnosis reads, measured there rather than in
+        a request's step: this model's products rate and, at the first load only, the machine's rates."""
         self.state = "loading"
         t0 = time.perf_counter()
         self.model = minillm.load(
