@@ -39,3 +39,17 @@ def test_readme_lesson_command_keeps_the_output_beside_the_lesson(tmp_path):
     assert lesson.read_bytes() == before
     out = nbformat.read(tmp_path / pattern[2], as_version=4)
     assert out.cells[0].outputs[0]["text"] == "42\n"
+
+
+def test_readme_trace_has_todays_shape():
+    """The README's recorded trace is what `minillm run` prints by default today: a rule per phase of
+    lesson 1 in order, the decode table's header as render.py writes it, and as many lines as the
+    prose says, within one projector screen (40 lines at 100 columns)."""
+    from minillm.observe.render import DECODE_HEADER
+
+    section = (ROOT / "README.md").read_text().split("## What a trace looks like\n")[1].split("\n## ")[0]
+    lines = section.split("```text\n")[1].split("```\n")[0].splitlines()
+    rules = [line.strip("─ ").split()[0] for line in lines if line.startswith("─")]
+    assert rules == ["load", "request", "tokenize", "prefill", "decode", "detokenize", "stop:", "free", "summary"]
+    assert DECODE_HEADER in lines and "sample: ␣Paris (id 7042, p 0.77), the first new token (TTFT ends here)" in lines
+    assert f"({len(lines)} lines here)" in " ".join(section.split()) and len(lines) <= 40

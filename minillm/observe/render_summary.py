@@ -102,7 +102,7 @@ def print_compact_summary(c: Console, m: dict) -> None:
     a column per phase (measured, expected, ratio), then its findings or "healthy"."""
     c.rule("[bold]summary")
     c.print(
-        f"TTFT {m['ttft_s'] * 1e3:.1f} ms, TPOT {m['tpot_s'] * 1e3:.1f} ms (p50 {m['tpot_p50_s'] * 1e3:.1f}, "
+        f"TTFT {_seconds(m['ttft_s'])}, TPOT {m['tpot_s'] * 1e3:.1f} ms (p50 {m['tpot_p50_s'] * 1e3:.1f}, "
         f"p90 {m['tpot_p90_s'] * 1e3:.1f}); prefill {m['prefill_tokens_per_s']:,.0f} tokens/s, "
         f"decode {m['decode_tokens_per_s']:,.1f} tokens/s"
     )
@@ -110,8 +110,8 @@ def print_compact_summary(c: Console, m: dict) -> None:
     warmup = "skipped" if m.get("warmup_s") is None else f"{m['warmup_s']:.2f} s"
     c.print(
         f"{m['prompt_tokens']} prompt + {m['new_tokens']} new tokens in {m['total_s']:.2f} s; load "
-        f"{m['load_s']:.2f} s, warm-up {warmup}; other processes: "
-        + ("unknown" if share != share else f"{share:.0%} of the cores")  # NaN: unknown
+        f"{m['load_s']:.2f} s, warm-up {warmup}; "
+        + ("others' share of the cores unknown" if share != share else f"others used {share:.0%} of the cores")
     )
     for key, value in _speculative_rows(m):
         c.print(f"{key}: {value}")
