@@ -37,13 +37,11 @@ def save(tensors: dict[str, np.ndarray], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def tiny_word_model(folder: Path, tensors: dict[str, np.ndarray] | None = None, name: str = "tiny"):
-    """A loaded minillm Model in ``folder``: the tiny Llama above (``tensors``, default the seeded ones)
-    over the scripted whole-word vocabulary (``scripted.word_tokenizer_folder``: 108 ids, EOS 1 and
-    106), context 32. NumPy only, milliseconds."""
-    import json
 
-    from scripted import word_tokenizer_folder
+def tiny_model(folder: Path, vocab: int, tensors: dict[str, np.ndarray] | None = None, name: str = "tiny"):
+    """A loaded minillm Model in ``folder``, which already holds a tokenizer of ``vocab`` ids: the
+    tiny Llama above (``tensors``, default the seeded ones), context 32. NumPy only, milliseconds."""
+    import json
 
     from minillm.model.config import ModelConfig
     from minillm.model.transformer import Transformer
@@ -51,10 +49,17 @@ def tiny_word_model(folder: Path, tensors: dict[str, np.ndarray] | None = None, 
     from minillm.runtime.loading import Model
     from minillm.text.tokenizer import Tokenizer
 
-    vocab = 108
-    word_tokenizer_folder(folder)
     (folder / "config.json").write_text(json.dumps(tiny_config(vocab)))
     save(tiny_tensors(vocab) if tensors is None else tensors, folder / "model.safetensors")
     config = ModelConfig.from_folder(folder)
     transformer = Transformer(config, load_weights(folder, config))
     return Model(name, folder, config, Tokenizer.from_folder(folder), transformer, None)
+
+
+def tiny_word_model(folder: Path, tensors: dict[str, np.ndarray] | None = None, name: str = "tiny"):
+    """:func:`tiny_model` over the scripted whole-word vocabulary (``scripted.word_tokenizer_folder``:
+    108 ids, EOS 1 and 106)."""
+    from scripted import word_tokenizer_folder
+
+    word_tokenizer_folder(folder)
+    return tiny_model(folder, 108, tensors, name)

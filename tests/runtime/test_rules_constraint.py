@@ -1,0 +1,61 @@
+"""A constraint after a stop: a cut answer is never reported as a whole document (issue 49).
+
+When a stop condition fires on a token (max_new_tokens, a stop string), the request ends there: the
+grammar must not advance past that token into the run it would force next, or its matcher would
+stand at the end of a document the text never reached, and ``result.incomplete`` (which reads the
+matcher) would call a cut answer complete.
+
+Model: a tiny random Llama (tests/support/tiny_models.py) with SmolLM2's tokenizer copied from the
+model cache (no weights read): llguidance needs a real byte-level vocabulary. Under the regex
+``hello world`` the first token is pushed to "hello" (logit_bias); the grammar then forces " world".
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from tiny_models import tiny_model
+
+import minillm
+from minillm import Constraint, SamplingParams
+from minillm.sources.hub import resolve_model
+
+HELLO_WORLD = Constraint.regex("hello world")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    source = resolve_model("smollm2-135m-instruct", progress=False).path
+    folder = tmp_path_factory.mktemp("rules-constraint")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+    return tiny_model(folder, 49152)
+
+
+def params(model) -> SamplingParams:
+    (hello,) = model.tokenizer.encode("hello")
+    return SamplingParams(temperature=0.0, logit_bias={hello: 100})
+
+
+def test_uncut_the_document_is_whole(model):
+    r = minillm.generate(model, "Say hi", params(model), max_new_tokens=5, constraint=HELLO_WORLD)
+    assert (r.text, r.stop_reason, r.incomplete) == ("hello world", minillm.StopReason.EOS, None)
+
+
+@pytest.mark.parametrize(
+    ("options", "text", "reason"),
+    [
+        ({"max_new_tokens": 1}, "hello", minillm.StopReason.MAX_NEW_TOKENS),
+        ({"max_new_tokens": 5, "stop": ["hello"]}, "", minillm.StopReason.STOP_STRING),
+    ],
+)
+def test_a_stop_on_the_token_before_a_forced_run_leaves_it_incomplete(model, options, text, reason):
+    """The stop fires on "hello"; " world" (forced next) is never part of the text, so the answer is
+    not a document of the regex, and the result says why, naming the stop."""
+    for r in (
+        minillm.generate(model, "Say hi", params(model), constraint=HELLO_WORLD, **options),
+        minillm.generate_batch(model, ["Say hi"], params(model), constraint=HELLO_WORLD, **options)[0],
+    ):
+        assert (r.text, r.stop_reason) == (text, reason)
+        assert r.incomplete is not None and f"stopped ({reason.value}) before its regex was complete" in r.incomplete
