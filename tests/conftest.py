@@ -23,6 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 import rss_budget  # noqa: E402
+import suite_time  # noqa: E402
 from helpers import release_memory  # noqa: E402
 
 # Fixtures the folders' tests share: the error cases' broken model folders (folder, no_forward, wtok) and
@@ -32,10 +33,12 @@ pytest_plugins = ["broken_folders", "fake_hub"]
 
 def pytest_addoption(parser):
     rss_budget.addoption(parser)
+    suite_time.addoption(parser)
 
 
 def pytest_configure(config):
     rss_budget.register(config)  # for the whole run, the notebooks included
+    suite_time.register(config)  # where the run's time goes, by module and lesson
     # The diagnosis's rates: measured by this run into a file of its own (inherited by subprocesses
     # and the lessons' kernels), never read from the user's cache, where a busy day's figures may sit.
     os.environ["MINILLM_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="minillm-calibration-"), "rates.json")
