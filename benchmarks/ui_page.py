@@ -95,7 +95,7 @@ def three_requests(page, max_tokens: int = 24) -> None:
 #: are big squares (24 MiB: 34 blocks of 16 positions for SmolLM2-135M), and the page at ``/ui?zoom=``
 #: where a 200 ms decode step is about 30 px wide.
 CLASSROOM_FLAGS = ("--kv-cache-mib", "24")
-CLASSROOM_PAGE = "/ui?zoom=0.15"
+CLASSROOM_PAGE = "/ui?zoom=0.15&slow=1"
 SIZES = ((1280, 720), (1920, 1080))
 
 
