@@ -65,7 +65,8 @@ def test_only_a_quiet_measurement_is_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "_BUSY", {})  # ... the next one measures again
     assert calibrate.machine() is quiet
     key = calibrate.fingerprint_key(calibrate.fingerprint())
-    assert json.loads((tmp_path / "rates.json").read_text())["machines"][key]["others_cpu_share"] == quiet.others_cpu_share
+    kept = json.loads((tmp_path / "rates.json").read_text())["machines"][key]
+    assert kept["others_cpu_share"] == quiet.others_cpu_share
     assert calibrate.machine() == quiet  # now read from the file
 
 
@@ -106,3 +107,32 @@ def test_the_models_products_rate_is_measured_once_per_thread_count_and_not_for_
     assert products_s_per_byte(model) == rate  # kept: not measured again
     packed = minillm.load(folder, progress=False, warmup=False, weight_dtype="int8")
     assert products_s_per_byte(packed) is None  # its products unpack: the machine's rate is the expectation
+
+
+# --- measured during the warm-up, not in a request's step (issue 41) -------------------------------
+def test_a_traced_warm_up_measures_what_the_first_requests_diagnosis_reads(folder, tmp_path, monkeypatch):
+    """``minillm run`` loads with a tracer and a warm-up: the warm-up measures the machine (from no
+    file) and the model's products rate; the first request's summary then measures nothing."""
+    import minillm
+
+    monkeypatch.setenv("MINILLM_CALIBRATION", str(tmp_path / "rates.json"))  # not calibrated yet
+    monkeypatch.setattr(calibrate, "_BUSY", {})
+    measured = []
+
+    def measure():  # a quiet machine's figures, counted (the real one takes seconds)
+        measured.append(True)
+        return fake_measurement(0.0)
+
+    monkeypatch.setattr(calibrate, "measure_machine", measure)
+    products = len([m for m in calibrate.MEASUREMENTS if m["what"] == "products_rate"])
+    tracer = minillm.Tracer()
+    model = minillm.load(folder, tracer=tracer, progress=False)  # warm-up on, as `minillm run` loads
+    warmup = next(e.data for e in tracer.events if e.phase == "warmup")
+    assert warmup["calibration"]["measured_now"] is True and measured == [True]
+    after_load = len([m for m in calibrate.MEASUREMENTS if m["what"] == "products_rate"])
+    assert after_load == products + 1  # the model's own products, timed in the warm-up
+    request = minillm.Tracer()
+    minillm.generate(model, "hello", minillm.SamplingParams(temperature=0.0), tracer=request, max_new_tokens=2)
+    summary = request.events[-1].data
+    assert summary["calibration"]["measured_now"] is False and measured == [True]  # the machine: not again
+    assert len([m for m in calibrate.MEASUREMENTS if m["what"] == "products_rate"]) == after_load  # nor the model
