@@ -162,7 +162,10 @@ def test_three_requests_stream_in_order_and_reconnect_gets_what_it_missed(server
         assert admitted["prompt_tokens"] == end["prompt_tokens"] == usage["prompt_tokens"]
         tokens = [e for e in mine if e["type"] == "request.token"]
         assert [t["n"] for t in tokens] == list(range(usage["completion_tokens"]))
-        assert "".join(t["text"] for t in tokens) == answer["choices"][0]["message"]["content"]
+        content = answer["choices"][0]["message"]["content"]
+        assert "".join(t["text"] for t in tokens) == content
+        # the detokenizer's releases, step by step, are the answer; the end carries it whole
+        assert "".join(e["text"] for e in mine if e["type"] == "request.text") == content == end["text"]
         # the step rows are the scheduler's batch: its prompt went in once, then one decode row per token
         rows = [r for s in steps for r in s["rows"] if r["id"] == rid]
         fed = sum(r["tokens"] for r in rows if r["phase"] == "prefill")
