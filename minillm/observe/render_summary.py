@@ -102,9 +102,9 @@ def print_compact_summary(c: Console, m: dict) -> None:
     a column per phase (measured, expected, ratio), then its findings or "healthy"."""
     c.rule("[bold]summary")
     c.print(
-        f"TTFT {_seconds(m['ttft_s'])}, TPOT {m['tpot_s'] * 1e3:.1f} ms (p50 {m['tpot_p50_s'] * 1e3:.1f}, "
-        f"p90 {m['tpot_p90_s'] * 1e3:.1f}); prefill {m['prefill_tokens_per_s']:,.0f} tokens/s, "
-        f"decode {m['decode_tokens_per_s']:,.1f} tokens/s"
+        f"TTFT {_seconds(m['ttft_s'])}; TPOT {m['tpot_s'] * 1e3:.1f} ms (p50 {m['tpot_p50_s'] * 1e3:.1f}, "
+        f"p90 {m['tpot_p90_s'] * 1e3:.1f}); tokens/s: prefill {m['prefill_tokens_per_s']:,.0f}, "
+        f"decode {m['decode_tokens_per_s']:,.1f}"
     )
     share = m["others_cpu_share"]
     warmup = "skipped" if m.get("warmup_s") is None else f"{m['warmup_s']:.2f} s"
