@@ -105,7 +105,7 @@ def test_a_real_terminal_gets_the_live_view():
         os.close(follower)
 
 
-def test_cli_with_forced_colour_into_a_pipe_prints_the_answer_once():
+def test_cli_with_forced_colour_into_a_pipe_prints_the_answer_once(smollm2):  # smollm2: the model is in the cache
     """`FORCE_COLOR=1 minillm run ... -v` with stdout a pipe, on the default model: exit 0, the full
     trace, the answer once, no "streaming:" line (14 of them before, and `-v` alone was an error)."""
     proc = run_cli("run", PROMPT, "-n", "8", "--threads", "1", "-v", env={"FORCE_COLOR": "1", "COLUMNS": "100"})

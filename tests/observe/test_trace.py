@@ -358,7 +358,7 @@ def test_the_token_columns_wrap_at_the_console_width(wtok):
         "piece  word106  word107  word108  word109  word110  word111"]
 
 
-def test_the_default_trace_has_a_rule_per_phase_and_fits_one_screen():
+def test_the_default_trace_has_a_rule_per_phase_and_fits_one_screen(smollm2):  # smollm2: the model is in the cache
     """`minillm run "The capital of France is" -n 8` at 100 columns, as in the README: a rule per
     phase, the sample in the prefill and in the decode table, the config, tokenizer and memory
     tables left to -v full; within one screen (the diagnosis's findings, printed only when a phase
