@@ -414,3 +414,39 @@ def test_stop_sentences_say_token_or_tokens():
             == "cancelled after 1 new token: the cancel event was set")
     assert (describe_stop(StopReason.CANCELLED, "the caller closed the stream", n_new=3, **numbers)
             == "cancelled after 3 new tokens: the caller closed the stream")
+
+
+def test_the_load_section_is_three_lines_by_default_and_every_table_under_full():
+    """A load event (as describe.load makes it) with a LoRA adapter: by default where it came from (the
+    folder left out), one line of size and shape, the adapter's table, BLAS and kernels; -v full adds
+    the folder, the config, weights and tokenizer tables and the seconds of each step."""
+    adapter = dict(name="rome", mode="unmerged", rank=4, alpha=8, scaling=2.0, rslora=False, targets=["down_proj"],
+                   layers=1, modules=1, parameters=100, bytes=400, seconds=0.01)
+    weights = dict(parameters=1000, bytes_loaded=4000, held={"float32": [1000, 4000]}, mapped=False,
+                   stored={"float32": 1000}, bytes_stored={"float32": 4000}, unused=[], seconds={"read": 0.1})
+    data = dict(name="m", source="cache", path="/c/models/m", notes=["cache /c/models/m (fetched from pkg==1 (pip))"],
+                config={"family": "llama", "layers": 2, "d_model": 8}, seconds={"config + weights": 0.5},
+                blas=["openblas 0.3 (Haswell), 1 thread"], kernels={"name": "tuned", "source": "minillm/kernels"},
+                adapters=[adapter], weights=weights, tokenizer=dict(vocab_size=300, special="<s>", eos_ids=[2]))
+    shown = {}
+    for verbosity in ("steps", "full"):
+        console = Console(record=True, width=100)
+        Tracer(console, verbosity=verbosity, live=False)._renderer.render(TraceEvent("load", 0.0, 0.5, data))
+        shown[verbosity] = [line.rstrip() for line in console.export_text().splitlines()]
+    assert shown["steps"][1:] == [
+        "source: cache (fetched from pkg==1 (pip))",
+        "1,000 parameters (llama, 2 layers, d_model 8) held as float32 3.9 KiB, in memory",
+        "LoRA adapter rome (unmerged)",
+        "  rank, alpha    r=4, alpha=8",
+        "  scaling        2 (alpha / r)",
+        "  targets        down_proj in 1 layers (1 modules)",
+        "  adds           100 params, 400 B (kept beside the weights)",
+        "  load           0.01 s",
+        "BLAS: openblas 0.3 (Haswell), 1 thread; kernels: tuned (minillm/kernels)"]
+    full = shown["full"]
+    assert full[1:3] == ["source: cache  folder: /c/models/m", "  note: cache /c/models/m (fetched from pkg==1 (pip))"]
+    for line in ("config", "  d_model    8", "weights", "  held as           float32 3.9 KiB, in memory",
+                 "tokenizer", "  eos ids    [2]", "seconds per step: config + weights 0.50",
+                 "BLAS: openblas 0.3 (Haswell), 1 thread", "kernels: tuned (minillm/kernels)",
+                 "LoRA adapter rome (unmerged)"):
+        assert line in full, line
