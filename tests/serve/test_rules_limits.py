@@ -103,3 +103,17 @@ def test_only_a_subscriber_that_missed_an_event_is_dropped():
     asyncio.run(scenario())
     assert [line.split(":")[1].strip() for line in log] == ["dropped subscriber #2 (never-read)",
                                                             "dropped subscriber #1 (caught-up)"]  # fmt: skip
+
+
+def test_the_stream_buffer_flag_reaches_the_guard(tmp_path):
+    """``minillm serve --stream-buffer 7`` builds the one-model server's guard with 7 (the app is built,
+    not started: the model is never loaded)."""
+    from rich.console import Console
+
+    from minillm.cli import build_parser
+    from minillm.serve.server import _one_model_app
+
+    args = build_parser().parse_args(["serve", str(tmp_path), "--stream-buffer", "7"])
+    _, guard = _one_model_app(args, Console(quiet=True), None)
+    assert guard.stream_buffer == 7
+    assert guard.shed(Stream(7)) is False and guard.shed(Stream(8)) is True
