@@ -106,14 +106,21 @@ def test_only_a_subscriber_that_missed_an_event_is_dropped():
 
 
 def test_the_stream_buffer_flag_reaches_the_guard(tmp_path):
-    """``minillm serve --stream-buffer 7`` builds the one-model server's guard with 7 (the app is built,
-    not started: the model is never loaded)."""
+    """``minillm serve --stream-buffer 7`` builds the guard with 7, for one model and for several (the
+    apps are built, not started: no weights are read; the several-model plan reads the tiny folder's
+    config and tokenizer)."""
     from rich.console import Console
+    from tiny_models import tiny_word_model
 
     from minillm.cli import build_parser
+    from minillm.serve.multi_server import build_registry
     from minillm.serve.server import _one_model_app
 
+    tiny_word_model(tmp_path)
     args = build_parser().parse_args(["serve", str(tmp_path), "--stream-buffer", "7"])
     _, guard = _one_model_app(args, Console(quiet=True), None)
     assert guard.stream_buffer == 7
     assert guard.shed(Stream(7)) is False and guard.shed(Stream(8)) is True
+    args = build_parser().parse_args(["serve", str(tmp_path), "--model", f"{tmp_path}:int8", "--stream-buffer", "7"])
+    registry = build_registry(args, Console(quiet=True))
+    assert [slot.guard.stream_buffer for slot in registry.slots.values()] == [7, 7]
