@@ -105,10 +105,10 @@ def test_only_a_subscriber_that_missed_an_event_is_dropped():
                                                             "dropped subscriber #1 (caught-up)"]  # fmt: skip
 
 
-def test_the_stream_buffer_flag_reaches_the_guard(tmp_path):
+def test_the_stream_buffer_flag_reaches_the_guard(tmp_path, monkeypatch):
     """``minillm serve --stream-buffer 7`` builds the guard with 7, for one model and for several (the
     apps are built, not started: no weights are read; the several-model plan reads the tiny folder's
-    config and tokenizer)."""
+    config and tokenizer, its measured bytes cached in a folder of the test's own)."""
     from rich.console import Console
     from tiny_models import tiny_word_model
 
@@ -116,11 +116,14 @@ def test_the_stream_buffer_flag_reaches_the_guard(tmp_path):
     from minillm.serve.multi_server import build_registry
     from minillm.serve.server import _one_model_app
 
-    tiny_word_model(tmp_path)
-    args = build_parser().parse_args(["serve", str(tmp_path), "--stream-buffer", "7"])
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    tiny_word_model(folder)
+    args = build_parser().parse_args(["serve", str(folder), "--stream-buffer", "7"])
     _, guard = _one_model_app(args, Console(quiet=True), None)
     assert guard.stream_buffer == 7
     assert guard.shed(Stream(7)) is False and guard.shed(Stream(8)) is True
-    args = build_parser().parse_args(["serve", str(tmp_path), "--model", f"{tmp_path}:int8", "--stream-buffer", "7"])
+    args = build_parser().parse_args(["serve", str(folder), "--model", f"{folder}:int8", "--stream-buffer", "7"])
     registry = build_registry(args, Console(quiet=True))
     assert [slot.guard.stream_buffer for slot in registry.slots.values()] == [7, 7]
