@@ -73,7 +73,7 @@ class LiveFeed:
                 "ttft_s": record["queue_wait_s"] + ttft if ttft else None,
                 "tpot_s": summary.get("tpot_s"),
                 "slow_motion_s": record.get("slow_motion_s", 0.0),
-                "text": stop.get("text", ""),
+                "text": stop.get("text"),  # the whole answer; None when it ended without a stop (an error)
             },
         )
 
