@@ -34,6 +34,16 @@ from minillm.runtime.sampling import (
 RAISE = {"all": "raise"}
 
 
+def strict():
+    """Every floating-point warning an error: numpy's overflow, invalid and divide raise, and any
+    RuntimeWarning too (underflow to 0 is allowed inside the sampler, which says so where it happens)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("error")
+    stack.enter_context(np.errstate(**RAISE))
+    return stack
+
+
 def test_a_tiny_temperature_is_greedy():
     """The issue's case: [1, 3, 2, 0] at temperature 1e-40 overflowed to inf, softmax gave NaN and
     the sampler picked the last id (3). The argmax is id 1 (by hand)."""
@@ -103,7 +113,7 @@ def test_no_valid_parameters_give_nan_or_inf(logits, t, k, p, min_p, penalty, da
         logits[0] = 0.0
     seen = data.draw(st.lists(st.integers(0, len(logits) - 1), max_size=5))
     params = SamplingParams(temperature=t, top_k=k, top_p=p, min_p=min_p, repetition_penalty=penalty)
-    with np.errstate(**RAISE):
+    with strict():
         token, probs = sample_with_probs(logits, params, np.random.default_rng(0), seen_ids=seen)
         assert np.isfinite(probs).all() and (probs >= 0).all()
         assert abs(float(probs.sum(dtype=np.float64)) - 1.0) < 1e-5
@@ -118,16 +128,6 @@ SMALLEST = float(np.finfo(np.float32).smallest_subnormal)  # 1.4e-45, the smalle
 # below the largest where float32's exp is 0 (exp(-104) < 1.4e-45 / 2 rounds to 0).
 SMALL_TEMPERATURE = st.one_of(st.floats(SMALLEST, 0.01 / 120),
                               st.sampled_from([SMALLEST, 1e-40, 2.5e-40, 5e-37, 1e-30, 0.01 / 120]))
-
-
-def strict():
-    """Every floating-point warning an error: numpy's overflow, invalid and divide raise, and any
-    RuntimeWarning too (underflow to 0 is allowed inside the sampler, which says so where it happens)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(warnings.catch_warnings())
-    warnings.simplefilter("error")
-    stack.enter_context(np.errstate(**RAISE))
-    return stack
 
 
 def test_logits_apart_by_more_than_float32_holds_are_greedy_without_overflow():
