@@ -198,6 +198,16 @@ def test_in_front_of_a_class_at_1280x720(classroom):
         assert page.locator("#candidates .cand").count() == 5
         box = page.locator("#candidates").bounding_box()
         assert box["y"] + box["height"] <= 720
+        # 6. zoomed in and scrolled to the last step, every row still says whose it is
+        page.click("#zoom-in")
+        page.click("#zoom-in")
+        page.evaluate("document.getElementById('timeline').scrollLeft = 1e6")
+        lefts = page.evaluate(
+            """() => [document.getElementById('timeline').scrollLeft,
+                 document.getElementById('timeline').getBoundingClientRect().left,
+                 ...[...document.querySelectorAll('.req-row .lane-label')].map(l => l.getBoundingClientRect().left)]"""
+        )
+        assert lefts[0] > 0 and all(abs(x - lefts[1]) <= 2 for x in lefts[2:]), lefts
         assert errors == []
         browser.close()
 
