@@ -7,10 +7,9 @@ scaled logit itself (``3 / 1e-40 = 3e40``), or the distance between two that are
 subtracting the largest, overflows). Softmax does not change when every logit moves by the same
 amount, so :func:`limit_or_float32` then measures each logit from the largest (in float64): the
 largest is 0, and one further below it than float32's range is ``-inf``, whose probability is the
-0 that ``exp`` of it rounds to anyway. When the largest itself is beyond the range, any other
-distinct float32 logit is at least its float32 spacing (1 part in 2^24) below it, which scaled is
-beyond 1e31, far more than the ~104 it takes for ``exp`` to reach 0: such a step is greedy, and is
-computed as greedy (the rest at ``-inf``).
+0 that ``exp`` of it rounds to anyway. When the largest itself is beyond the range, every other
+distinct value is at least float64's spacing there (2^75) below it, far more than the ~104 it
+takes for ``exp`` to reach 0: such a step is greedy, and is computed as greedy (the rest at probability 0).
 A NaN logit is an error (the forward pass broke); ``-inf`` logits are masked ids and stay at
 probability 0. Underflow (``exp(-200)`` -> 0) is the right float32 answer.
 """
