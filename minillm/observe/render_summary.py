@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from minillm.observe.metrics import WEIGHT_FORMATS, bits_per_weight, format_bytes
+from minillm.runtime.speculative import expected_tokens_per_pass, per_position_acceptance
 
 
 def print_summary(c: Console, m: dict, full: bool = True) -> None:
@@ -186,14 +187,16 @@ def _seconds(s: float) -> str:
 
 
 def _speculative_rows(m: dict) -> list[tuple[str, str]]:
-    """The summary's speculative rows: acceptance rate α, tokens per pass, and what the formula
+    """The summary's speculative rows: drafts kept, α per position checked (kept / (kept + rejections),
+    ``speculative.per_position_acceptance``), tokens per pass, and what the formula
     ``(1 - α^(k+1)) / (1 - α)`` predicts for passes that verified drafts, at ``k`` the drafts per
     verifying pass on average (adaptive k moves below its most)."""
     if not m.get("drafted_tokens"):
         return []
-    alpha, most, steps = m["acceptance_rate"], m.get("speculative_k", 0), m["verify_steps"]
+    most, steps = m.get("speculative_k", 0), m["verify_steps"]
+    alpha = per_position_acceptance(m["accepted_tokens"], m.get("rejections", 0))
     k = m["drafted_tokens"] / steps
-    formula = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    formula = expected_tokens_per_pass(alpha, k)
     per_verify = (m["accepted_tokens"] + steps) / steps
     return [
         (

@@ -497,6 +497,27 @@ def test_trace_shows_each_verification_and_the_summary_rates(word_model):
     assert f"{m.accepted_tokens}/{m.drafted_tokens} drafts kept" in text and "formula" in text
 
 
+def test_summary_formula_takes_alpha_per_position_checked(word_model):
+    """The right-twice-then-wrong draft (18 drafted, 10 kept, 4 rejections in 5 verifications): the summary's
+    formula is at alpha 10/14 and k 3.6, (1 - (5/7)^4.6) / (2/7) = 2.76; at kept / drafted it would say 2.10."""
+    import io
+
+    from rich.console import Console
+
+    from minillm.observe.events import Tracer
+
+    prompt = "AB C DEF AB C"
+    full = minillm.generate(word_model, prompt, max_new_tokens=40)
+    n = len(word_model.tokenizer.encode(prompt))
+    out = io.StringIO()
+    tracer = Tracer(Console(file=out, width=160), verbosity="full", live=False)
+    spec = Speculative(RightTwiceThenWrong(full.ids, n), num_tokens=4, adaptive=False)
+    minillm.generate(word_model, prompt, max_new_tokens=16, speculative=spec, tracer=tracer)
+    text = out.getvalue()
+    assert round(expected_tokens_per_pass(10 / 14, 3.6), 2) == 2.76  # at kept / drafted: 2.10
+    assert "(formula 2.76)" in text and "(formula 2.10)" not in text
+
+
 def test_cli_and_serve_flags_parse():
     from minillm.cli import build_parser
 
