@@ -8,10 +8,10 @@
     python -m benchmarks.speculative --weight-dtype int8   # the model held at int8 (lesson 12)
 
 Workloads (greedy, ``--tokens`` new tokens each): the seed's incident report summary
-(``examples/incident.txt``: prompt lookup copies names and figures from it), a code edit (the answer
-repeats the code), and free chat (little to copy: the ngram draft should give up, not slow it down).
-For each workload it runs plain decoding, then every draft and k; greedy speculative ids must equal
-the plain ids (checked). Printed per run:
+(``examples/incident.txt``: prompt lookup copies names and figures from it), a code edit (a function
+handed back with a comment asked for: SmolLM2's answer repeats the code), and free chat (little to
+copy: the ngram draft should give up, not slow it down). For each workload it runs plain decoding,
+then every draft and k; greedy speculative ids must equal the plain ids (checked). Printed per run:
 
     tokens/pass    new tokens / forward passes of the model (prefill included)
     alpha          per position checked: kept / (kept + rejections); the drafts after a pass's first
@@ -41,7 +41,9 @@ CODE = """def total(items):
     x = 0
     for item in items:
         if item.price > 0:
-            x = x + item.price * item.quantity
+            x += item.quantity * item.price
+        else:
+            print("skipping", item.name)
     return x
 """
 
@@ -52,7 +54,13 @@ def workloads() -> dict[str, list[dict]]:
         "incident summary": [
             {"role": "user", "content": incident + "\n\nSummarize this incident report in two bullets."}
         ],
-        "code edit": [{"role": "user", "content": "Rename the variable x to running_total in this code:\n\n" + CODE}],
+        "code edit": [
+            {
+                "role": "user",
+                "content": "Here is a Python function:\n\n```python\n" + CODE + "```\n\n"
+                "Rewrite it with a comment above the loop. Show the complete code.",
+            }
+        ],
         "free chat": [{"role": "user", "content": "What should I pack for a weekend hiking trip?"}],
     }
 
