@@ -274,7 +274,13 @@ MAX_FUNCTION_LINES = 80
 MAX_FILE_LINES = 400
 
 #: ``path`` or ``path:function`` -> a size the check would let through (none: every place keeps the limits).
-ALLOWANCE: dict[str, int] = {}
+#: Grown past the limit by issue 41's fixes (warm-up calibration, admission counting, the registry's warm-up),
+#: owed a split by issue 42's one server interface; each at today's size, so any further growth fails.
+ALLOWANCE: dict[str, int] = {
+    "minillm/observe/calibrate.py": 419,
+    "minillm/serve/models.py": 404,
+    "minillm/serve/worker.py": 437,
+}
 
 
 def function_sizes(path: Path) -> dict[str, int]:

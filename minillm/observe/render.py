@@ -188,9 +188,9 @@ class Renderer:
     def _token_columns(self, tokens: list[tuple[int, int, Text]]) -> None:
         """The tokens as columns, three lines (pos, id, piece) per screen width::
 
-              pos  0    1         2    3        4
-               id  504  3575      282  4649     314
-            piece  The  ␣capital  ␣of  ␣France  ␣is
+          pos  0    1         2    3        4
+           id  504  3575      282  4649     314
+        piece  The  ␣capital  ␣of  ␣France  ␣is
         """
         labels = ("  pos", "   id", "piece")
         room = max(self.console.width, 20)

@@ -185,7 +185,6 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
-
 def _speculative_rows(m: dict) -> list[tuple[str, str]]:
     """The summary's speculative rows: drafts kept, α per position checked (kept / (kept + rejections),
     ``speculative.per_position_acceptance``), tokens per pass, and what the formula

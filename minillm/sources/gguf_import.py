@@ -80,14 +80,7 @@ def import_gguf(
     or tensor type, or when ``out_dir`` already holds files.
     """
     gguf_path, out_dir = pathlib.Path(gguf_path), pathlib.Path(out_dir)
-    reader, meta = read_gguf(gguf_path)
-    arch_name = meta.get("general.architecture")
-    if arch_name not in ARCHITECTURES:
-        raise GGUFError(
-            f"{gguf_path.name}: architecture {arch_name!r} is not supported (supported: "
-            f"{sorted(ARCHITECTURES)}); pick a GGUF of a supported family, or add an entry to "
-            "minillm.sources.gguf_families.ARCHITECTURES"
-        )
+    reader, meta, arch_name = _read_supported(gguf_path)
     spec = ARCHITECTURES[arch_name]
     check_tensor_types(gguf_path, reader)
     tokens = list(meta.get("tokenizer.ggml.tokens") or [])
@@ -123,6 +116,23 @@ def import_gguf(
     return out_dir
 
 
+def _read_supported(gguf_path: pathlib.Path):
+    """(reader, metadata, architecture name) of a GGUF whose architecture minillm imports.
+
+    Raises:
+        GGUFError: the file is unreadable, or its architecture is not in ``ARCHITECTURES``.
+    """
+    reader, meta = read_gguf(gguf_path)
+    arch_name = meta.get("general.architecture")
+    if arch_name not in ARCHITECTURES:
+        raise GGUFError(
+            f"{gguf_path.name}: architecture {arch_name!r} is not supported (supported: "
+            f"{sorted(ARCHITECTURES)}); pick a GGUF of a supported family, or add an entry to "
+            "minillm.sources.gguf_families.ARCHITECTURES"
+        )
+    return reader, meta, arch_name
+
+
 def import_gguf_header(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> pathlib.Path:
     """The files :func:`import_gguf` writes from a GGUF's header, without its weights.
 
@@ -134,14 +144,7 @@ def import_gguf_header(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     Returns ``out_dir`` as a Path. Raises :class:`~minillm.errors.GGUFError` as :func:`import_gguf`.
     """
     gguf_path, out_dir = pathlib.Path(gguf_path), pathlib.Path(out_dir)
-    reader, meta = read_gguf(gguf_path)
-    arch_name = meta.get("general.architecture")
-    if arch_name not in ARCHITECTURES:
-        raise GGUFError(
-            f"{gguf_path.name}: architecture {arch_name!r} is not supported (supported: "
-            f"{sorted(ARCHITECTURES)}); pick a GGUF of a supported family, or add an entry to "
-            "minillm.sources.gguf_families.ARCHITECTURES"
-        )
+    reader, meta, arch_name = _read_supported(gguf_path)
     tokens = list(meta.get("tokenizer.ggml.tokens") or [])
     config = _build_config(gguf_path, ARCHITECTURES[arch_name], arch_name, meta, reader, n_tokens=len(tokens))
     tokenizer, _ = build_tokenizer(gguf_path, meta)
