@@ -15,6 +15,7 @@ import zipfile
 
 import numpy as np
 import pytest
+from tiny_gguf import D_MODEL, FFN, HEAD_DIM, N_HEADS, N_KV, VOCAB, header_writer
 
 from minillm.errors import GGUFError
 from minillm.sources.gguf_import import import_gguf
@@ -59,7 +60,6 @@ def our_tokenizer(converted):
 
 
 # --- tiny hand-made GGUFs (fast, no network) --------------------------------------------------------
-D_MODEL, N_HEADS, N_KV, HEAD_DIM, FFN = 8, 2, 1, 4, 16
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -70,28 +70,7 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def write_tiny_gguf(path: pathlib.Path, hf: dict[str, np.ndarray], *, arch: str = "llama", extra=None,
                     big_endian: bool = False):
     """A 1-layer llama GGUF whose tensors are `hf` (HF names, HF layout) as llama.cpp would store them."""
-    import gguf
-    from tokenizers import pre_tokenizers
-
-    endianess = gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE
-    w = gguf.GGUFWriter(str(path), arch, endianess=endianess)
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(D_MODEL)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(N_HEADS)
-    w.add_head_count_kv(N_KV)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    tokens = ["<|endoftext|>", *sorted(pre_tokenizers.ByteLevel.alphabet()), "hi"]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (len(tokens) - 1))
-    w.add_token_merges(["h i"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
+    w = header_writer(path, arch, big_endian)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     names |= {f"model.layers.0.self_attn.{p}_proj.weight": f"blk.0.attn_{g}.weight"
               for p, g in [("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")]}
@@ -111,7 +90,7 @@ def write_tiny_gguf(path: pathlib.Path, hf: dict[str, np.ndarray], *, arch: str 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return len(tokens)
+    return VOCAB
 
 
 @pytest.fixture
