@@ -387,7 +387,7 @@ def test_models_lists_both_real_models():
 
 @pytest.mark.slow
 def test_run_on_the_folder_traces_family_and_flags(gemma3_folder):
-    proc = _minillm("run", "--model", str(gemma3_folder), "The capital of France is", "-n", "3")
+    proc = _minillm("run", "--model", str(gemma3_folder), "The capital of France is", "-n", "3", "-v", "full")  # the load table
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for row in ("gemma3 (gemma3_text)", "RMSNorm x (1 + w)", "GeGLU", "qk_norm", "post_norms",

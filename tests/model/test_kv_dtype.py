@@ -76,12 +76,12 @@ def test_bad_kv_dtype_is_named(smollm2):
 def test_cli_kv_dtype_reaches_the_trace(tmp_path):
     trace = tmp_path / "trace.jsonl"
     proc = run_cli("run", "The capital of France is", "-n", "3", "--kv-dtype", "int8", "--no-warmup",
-                   "-v", "summary", "--trace-json", str(trace))
+                   "-v", "full", "--trace-json", str(trace))
     assert proc.returncode == 0, proc.stderr
     summary = events(trace)["summary"]
     assert summary["kv_dtype"] == "int8" and summary["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
     assert "12.0 KiB (int8)" in proc.stdout  # 12,240 bytes = 11.95 KiB, the summary's per-token row
-    assert "int8+scale *" in proc.stdout  # the memory table marks the dtype in use
+    assert "int8+scale *" in proc.stdout  # -v full's memory table marks the dtype in use
     json.dumps(summary["kv_bytes"])  # the table stays plain data
     bad = run_cli("run", "Hi", "--kv-dtype", "int4")
     assert bad.returncode == 2 and "invalid choice: 'int4'" in bad.stderr and "float16" in bad.stderr

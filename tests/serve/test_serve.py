@@ -437,7 +437,9 @@ def test_full_queue_answers_429_with_retry_after(small_server):
     ok = [r for r in results if r.status_code == 200]
     busy = [r for r in results if r.status_code == 429]
     assert len(ok) + len(busy) == 16, [(r.status_code, r.text[:200]) for r in results if r.status_code not in (200, 429)]
-    assert len(ok) >= 5  # one running + four waiting, at least (the first may finish before the last arrives)
+    # --max-queue 4 counts a request being admitted (taken from the queue, not yet running) as waiting:
+    # at least the four waiting are served, five when the first runs before the burst fills the queue
+    assert len(ok) >= 4
     assert len(busy) >= 1
     for r in busy:
         assert int(r.headers["retry-after"]) >= 1
