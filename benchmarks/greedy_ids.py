@@ -1,0 +1,57 @@
+"""Greedy ids of ``generate``, ``generate_batch`` and speculative decoding, as JSON lines: a refactor's check.
+
+    PYTHONPATH=/path/to/checkout python -m benchmarks.greedy_ids --kernels plain > build/ids_plain.jsonl
+
+Five prompts x ``--tokens`` new tokens (32) on ``--model`` (SmolLM2-135M-Instruct), greedy, one
+BLAS thread: ``generate`` one request at a time, ``generate_batch`` all five together (continuous
+batching over the paged pool), and each with ``speculative="ngram"`` and ``"layers:8"`` (the
+model's own first layers as the draft). Run it on two checkouts (``PYTHONPATH``) and compare the
+outputs: a change that keeps the numbers prints the same lines. No timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three uses of a paper clip:",
+    "Summarise: the meeting moved to Tuesday at 10 because the room was booked; bring the budget.",
+]
+DRAFTS = ("ngram", "layers:8")
+
+
+def greedy_ids(model_name: str, kernels: str, tokens: int) -> dict[str, list[list[int]]]:
+    """Every run's new ids per prompt: ``{"generate": [[id, ...] x 5], "generate_batch": ..., ...}``."""
+    import minillm
+
+    model = minillm.load(model_name, kernels=kernels, threads=1)
+    out: dict[str, list[list[int]]] = {}
+    out["generate"] = [list(minillm.generate(model, p, max_new_tokens=tokens).ids) for p in PROMPTS]
+    out["generate_batch"] = [list(r.ids) for r in minillm.generate_batch(model, PROMPTS, max_new_tokens=tokens)]
+    for draft in DRAFTS:
+        out[f"generate speculative={draft}"] = [
+            list(minillm.generate(model, p, max_new_tokens=tokens, speculative=draft).ids) for p in PROMPTS
+        ]
+        batch = minillm.generate_batch(model, PROMPTS, max_new_tokens=tokens, speculative=draft)
+        out[f"generate_batch speculative={draft}"] = [list(r.ids) for r in batch]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--kernels", default="tuned", choices=["plain", "tuned"])
+    parser.add_argument("--tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    ids = greedy_ids(args.model, args.kernels, args.tokens)
+    print(json.dumps({"model": args.model, "kernels": args.kernels, "tokens": args.tokens}))
+    for run, rows in ids.items():  # one line per run: a diff of two outputs names the run that differs
+        print(json.dumps({run: rows}))
+
+
+if __name__ == "__main__":
+    main()
