@@ -11,6 +11,8 @@ scheduler runs it in a continuous batch with the others (``worker.py``, ``runtim
     GET  /metrics               Prometheus text: TTFT, TPOT, e2e, queue wait, tokens, KV bytes
 
 The model runs on one worker thread (``worker.py``); this module only moves bytes on the event loop.
+It talks to one interface, :class:`~minillm.serve.interface.ServedModels`: one model's ``Worker``
+or several models' ``ModelRegistry`` (``models.py``), never asking which.
 
 The answers' shapes (JSON and Server-Sent Events) and errors are built in ``responses.py``.
 """
@@ -33,23 +35,27 @@ from minillm.runtime.constraint import Constraint, grammar_for
 
 from . import protocol as p
 from .events import EventStreamResponse, TooManySubscribers
+from .interface import ServedModels
+from .jobs import Job, QueueFullError
 from .limits import DEFAULT_MAX_REQUEST_BYTES, max_token_bytes, prompt_too_long
 from .reliability import Channel
 from .responses import APIError, final_response, runtime_error, sse, validation_error
-from .worker import Job, QueueFullError, Worker
 
 __all__ = ["APIError", "create_app"]
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait, seconds
 UI_PAGE = Path(__file__).parent / "static" / "ui.html"  # GET /ui (module-level: a test may point it elsewhere)
 
 
-def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The FastAPI app for one worker. ``served_model`` is the name clients pass as ``model``;
-    a body over ``max_request_bytes`` is refused with 413 (``limits.py``)."""
+def create_app(served: ServedModels, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app in front of ``served`` (one model's ``Worker`` or a ``ModelRegistry``): its
+    gauges are bound here, once; clients name its models by ``served.served_names()``. A body over
+    ``max_request_bytes`` is refused with 413 (``limits.py``)."""
+    served.metrics.bind(served)  # /metrics' gauges read the interface at scrape time
+    served.guard.counters.bind(served)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker.start()  # loads in the background: the socket listens now, /health says 503 until ready
+        served.start()  # loads in the background: the socket listens now, /health says 503 until ready
         yield
 
     app = FastAPI(
@@ -59,9 +65,9 @@ def create_app(worker: Worker, served_model: str, max_request_bytes: int = DEFAU
         description="An OpenAI-compatible server for minillm (one worker thread, requests in arrival order).",
         max_body_size=max_request_bytes,  # Starlette's RequestBodyLimitMiddleware: 413 past it
     )
-    _add_error_handlers(app, worker.guard.counters.refused, max_request_bytes)
-    _add_status_routes(app, worker, served_model)
-    _add_completion_routes(app, worker, served_model)
+    _add_error_handlers(app, served.guard.counters.refused, max_request_bytes)
+    _add_status_routes(app, served)
+    _add_completion_routes(app, served)
     return app
 
 
@@ -95,15 +101,16 @@ def _add_error_handlers(app: FastAPI, refused, max_request_bytes: int) -> None:
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error").response()
 
 
-def _add_status_routes(app: FastAPI, worker, served_model: str) -> None:
+def _add_status_routes(app: FastAPI, worker: ServedModels) -> None:
     """/health, /metrics, /v1/models, /v1/traces/{id}, /v1/events and /ui."""
 
     @app.get("/health")
     async def health():
+        model = worker.served_names()[0]
         if worker.guard.draining:
-            body = {"status": "draining", "model": served_model, "in_flight": len(worker.guard.in_flight)}
+            body = {"status": "draining", "model": model, "in_flight": len(worker.guard.in_flight)}
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-        body = {"status": worker.status, "model": served_model}
+        body = {"status": worker.status, "model": model}
         # how often this process measured the diagnosis's rates (machine, products rate): during the
         # warm-up, before this answers 200; a request's step never pays one (calibrate.MEASUREMENTS)
         body["calibration"] = {"measurements": calibrate.measurement_counts()}
@@ -119,9 +126,8 @@ def _add_status_routes(app: FastAPI, worker, served_model: str) -> None:
 
     @app.get("/v1/models", response_model=p.ModelList)
     async def models():
-        if hasattr(worker, "model_cards"):  # several models (models.py): state, dtype, resident bytes
-            return p.ModelList(data=[p.ModelCard(**card) for card in worker.model_cards()])
-        return p.ModelList(data=[p.ModelCard(id=served_model)])
+        # several models (models.py) add each one's state, weight dtype and resident bytes
+        return p.ModelList(data=[p.ModelCard(**card) for card in worker.model_cards()])
 
     @app.get("/v1/traces/{request_id}", responses={404: {"model": p.ErrorResponse}})
     async def trace(request_id: str):
@@ -163,7 +169,7 @@ def _add_status_routes(app: FastAPI, worker, served_model: str) -> None:
         return Response(page.read_bytes(), media_type="text/html; charset=utf-8")
 
 
-def _add_completion_routes(app: FastAPI, worker, served_model: str) -> None:
+def _add_completion_routes(app: FastAPI, worker: ServedModels) -> None:
     """POST /v1/chat/completions and /v1/completions: a job for the worker, answered as JSON or SSE."""
     refused = worker.guard.counters.refused
 
@@ -181,7 +187,7 @@ def _add_completion_routes(app: FastAPI, worker, served_model: str) -> None:
         return await _handle(request, body, body.prompt, False, body.max_tokens, body.logprobs, worker.next_id("cmpl"))
 
     async def _handle(request, body, prompt, chat, max_tokens, top_logprobs, request_id):
-        job = _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs, request_id)
+        job = _make_job(worker, body, prompt, chat, max_tokens, top_logprobs, request_id)
         try:
             worker.submit(job)
         except QueueFullError as exc:
@@ -225,18 +231,18 @@ def _add_completion_routes(app: FastAPI, worker, served_model: str) -> None:
 _ERRORS = {code: {"model": p.ErrorResponse} for code in (400, 404, 429, 503)}
 
 
-def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs, request_id) -> Job:
+def _make_job(worker: ServedModels, body, prompt, chat, max_tokens, top_logprobs, request_id) -> Job:
     """Check what only the server knows (model, readiness, context), then build the worker's job.
 
     Raises:
         APIError: 404 unknown model, 503 not ready, 400 max_tokens over the context or bad sampling values.
     """
-    slots = getattr(worker, "slots", None)  # several models (models.py): served name -> slot
-    served = list(slots) if slots is not None else [served_model]
-    if body.model not in served:
+    target = worker.target(body.model)  # the model the request names
+    if target is None:
+        served = ", ".join(map(repr, worker.served_names()))
         raise APIError(
             404,
-            f"model {body.model!r} not found; this server serves {', '.join(map(repr, served))} (GET /v1/models)",
+            f"model {body.model!r} not found; this server serves {served} (GET /v1/models)",
             "not_found_error",
             "model",
             "model_not_found",
@@ -260,7 +266,6 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
             "minillm_test_fault is a test hook: start the server with --test-faults to use it",
             param="minillm_test_fault",
         )
-    target = slots[body.model] if slots is not None else worker  # the model the request names
     context = target.context
     if target.model is not None:  # loaded: a prompt too long in bytes is refused before tokenizing
         tokenizer = target.model.tokenizer
@@ -283,25 +288,26 @@ def _make_job(worker, served_model, body, prompt, chat, max_tokens, top_logprobs
         raise runtime_error(exc) from None
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return Job(
-        request_id,
-        prompt,
-        chat,
-        params,
-        max_tokens,
-        stop or None,
-        params.top_logprobs,
-        asyncio.get_running_loop(),
-        Channel(guard, request_id),
+        request_id=request_id,
+        prompt=prompt,
+        chat=chat,
+        params=params,
+        max_tokens=max_tokens,
+        stop=stop or None,
+        top_logprobs=params.top_logprobs,
+        loop=asyncio.get_running_loop(),
+        channel=Channel(guard, request_id),
         slow_motion_s=body.slow_motion_s,
         fault=body.minillm_test_fault.model_dump() if body.minillm_test_fault is not None else None,
         model=body.model,
-        constraint=_constraint(worker, getattr(body, "response_format", None)),
+        constraint=_constraint(target.model, body.response_format if chat else None),
         speculative=speculative,
     )
 
 
-def _constraint(worker, response_format):
-    """OpenAI's ``response_format`` -> a checked ``Constraint`` (None for text).
+def _constraint(model: minillm.Model | None, response_format):
+    """OpenAI's ``response_format`` -> a ``Constraint`` (None for text), checked against ``model``'s
+    vocabulary when it is loaded (else the request's admission checks it, after the load).
 
     Raises:
         APIError: 400 json_schema without its schema, or a schema that is invalid (naming where).
@@ -319,20 +325,21 @@ def _constraint(worker, response_format):
     else:
         constraint = Constraint.json_schema(response_format.json_schema.schema_)
     try:
-        grammar_for(worker.model, constraint)  # checked here, so the error names the field
+        if model is not None:
+            grammar_for(model, constraint)  # checked here, so the error names the field
     except minillm.MiniLLMError as exc:
         raise APIError(400, f"response_format.json_schema.schema: {exc}", param="response_format") from None
     return constraint
 
 
-def _speculative(worker, body) -> minillm.Speculative | None:
+def _speculative(worker: ServedModels, body) -> minillm.Speculative | None:
     """The body's ``speculative`` / ``num_speculative_tokens`` over the server's default (``off``: none)."""
     default = worker.speculative
     draft = body.speculative or (default.draft if default else None)
     if draft in (None, "off"):
         return None
     k = body.num_speculative_tokens or (default.num_tokens if default else 4)
-    return minillm.Speculative(draft, num_tokens=k)
+    return minillm.Speculative(draft=draft, num_tokens=k)
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:

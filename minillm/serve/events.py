@@ -40,7 +40,7 @@ class TooManySubscribers(Exception):
     """``max_subscribers`` pages are already connected (the HTTP layer answers 503)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Subscriber:
     """One connected stream: ``cursor`` is the id of the last event handed to it."""
 
@@ -146,7 +146,7 @@ class EventBus:
         self._loop = asyncio.get_running_loop()
         oldest, newest = self._span()
         start, note = self._start(last_event_id, oldest, newest)
-        sub = Subscriber(next(self._numbers), peer, start - 1)
+        sub = Subscriber(number=next(self._numbers), peer=peer, cursor=start - 1)
         self._subs.add(sub)
         return sub, f": {note}\n\n"
 

@@ -9,10 +9,11 @@ import time
 from dataclasses import dataclass, field
 
 import minillm
-from minillm.runtime.scheduler import BatchRequest
+
+from .reliability import GuardedRequest
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
     """One request as the worker sees it: what to run and where to send what it makes.
 
@@ -43,7 +44,7 @@ class Job:
         self.loop.call_soon_threadsafe(self.channel.put_nowait, (kind, value))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Outcome:
     """How a request ended, in the units the HTTP layer needs (tokens, seconds)."""
 
@@ -57,19 +58,42 @@ class Outcome:
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the pool's prefix cache
     load_s: float = 0.0  # seconds of the model load the request waited for (ollama's load_duration)
     incomplete: str | None = None  # a constrained answer cut short: why it is not a whole document
-    speculative: dict | None = None  # target_passes, drafted_tokens, accepted_tokens (speculative requests)
+    speculative: dict | None = None  # target_passes, drafted_tokens, accepted_tokens, rejections (speculative)
+
+    @classmethod
+    def of(cls, result, job: Job, wait: float, ttft: float | None, logprobs: list[dict] | None) -> Outcome:
+        """A finished request's outcome: its ``GenerationResult``, the job, its queue wait and TTFT (s)."""
+        m = result.metrics
+        speculative = None
+        if m.speculative_k:
+            speculative = {"target_passes": m.target_passes, "drafted_tokens": m.drafted_tokens,
+                           "accepted_tokens": m.accepted_tokens, "rejections": m.rejections}  # fmt: skip
+        return cls(
+            text=result.text,
+            prompt_tokens=len(result.prompt_ids),
+            completion_tokens=len(result.ids),
+            stop_reason=result.stop_reason,
+            queue_wait_s=wait,
+            ttft_s=ttft,
+            logprobs=logprobs,
+            cached_tokens=m.cached_prompt_tokens,
+            load_s=job.load_s,
+            incomplete=result.incomplete,
+            speculative=speculative,
+        )
 
 
 class QueueFullError(Exception):
     """More requests wait than ``max_queue`` allows (the HTTP layer answers 429)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Active:
     """A job the scheduler is running: its request, its trace, how much text was sent."""
 
     job: Job
-    request: BatchRequest
+    request: GuardedRequest
     tracer: minillm.Tracer
     wait: float
     sent: int = 0  # deltas of request.deltas already sent
+    shed: bool = False  # cancelled for a client that read too slowly: no more text is sent (reliability.py)

@@ -1,7 +1,8 @@
 """Logprobs in OpenAI's shapes, from the sampler's own numbers and the tokens' own bytes.
 
-Each step of a request that asks for logprobs is recorded as the sampler saw it: the id it chose,
-that id's probability and the most likely ids, in the distribution ``sample`` draws from (after
+Each step of a request that asks for logprobs is kept by the request as the sampler saw it
+(``Request.logprobs``, from ``candidates.token_logprobs``): the id it chose, that id's probability and
+the most likely ids, in the distribution ``sample`` draws from (after
 temperature, top-k, top-p, min-p and the repetition penalty; at temperature 0, the distribution
 at temperature 1). A token's ``bytes`` are its own (``Tokenizer.token_bytes``): joined, they give
 the answer's UTF-8 even where one character is split over several tokens (emoji, CJK). Its
@@ -13,38 +14,8 @@ from __future__ import annotations
 
 import math
 
-from minillm.runtime.sampling import top_candidates
-
-from .protocol import MAX_TOP_LOGPROBS
-
 # OpenAI's stand-in for "too unlikely to list".
 UNKNOWN_LOGPROB = -9999.0
-
-
-class LogprobRecorder:
-    """A listener that keeps, for every sampled token, ``(id, probability, [(id, probability), ...])``
-    (the top ``MAX_TOP_LOGPROBS``, most likely first, ties by lower id) in ``steps``."""
-
-    def __init__(self):
-        self.steps: list[tuple[int, float, list[tuple[int, float]]]] = []
-
-    def on_event(self, phase: str, start: float, duration: float, model, facts: dict) -> None:
-        """Record the prefill's and each decode step's token; other phases are ignored."""
-        probs = facts.get("probs") if phase in ("prefill", "decode") else None
-        if probs is not None:
-            token = int(facts["token"])
-            self.steps.append((token, float(probs[token]), top_candidates(probs, MAX_TOP_LOGPROBS)))
-
-
-class Listeners:
-    """Tells every listener of ``listeners`` each event, in order."""
-
-    def __init__(self, *listeners):
-        self.listeners = listeners
-
-    def on_event(self, *args) -> None:
-        for listener in self.listeners:
-            listener.on_event(*args)
 
 
 def token_text(raw: bytes) -> str:
@@ -66,7 +37,8 @@ def entry(tokenizer, token_id: int, prob: float | None) -> dict:
 
 def content(tokenizer, steps, ids, top: int) -> list[dict]:
     """OpenAI's ``logprobs.content``: one entry per id of ``ids`` (the output's ids, in order)
-    with its ``top`` (0..5) alternatives, from the recorded ``steps`` (``LogprobRecorder.steps``).
+    with its ``top`` (0..5) alternatives, from ``steps``: per token ``(id, probability, [(id,
+    probability), ...])``, the request's ``logprobs`` as probabilities (:func:`of_result` converts them).
 
     Raises:
         ValueError: a step records another id than ``ids`` holds at its place (a bug).
@@ -79,6 +51,18 @@ def content(tokenizer, steps, ids, top: int) -> list[dict]:
         item["top_logprobs"] = [entry(tokenizer, i, q) for i, q in candidates[:top]]
         out.append(item)
     return out
+
+
+def of_result(tokenizer, result, top: int) -> list[dict]:
+    """One entry per output token of a finished request (a stopping EOS left out) in OpenAI's shape,
+    from the numbers the sampler drew with (``result.logprobs``, ``SamplingParams.top_logprobs``:
+    after the bias, penalties, mask, temperature, top-k, top-p, min-p; at temperature 0, the
+    distribution at temperature 1); ``top``: alternatives per token (0..20)."""
+    from minillm.runtime.stopping import StopReason
+
+    ids = result.ids[:-1] if result.stop_reason is StopReason.EOS else result.ids
+    steps = [(s["id"], math.exp(s["logprob"]), [(i, math.exp(q)) for i, q in s["top"]]) for s in result.logprobs]
+    return content(tokenizer, steps, ids, top)
 
 
 def text_offsets(entries: list[dict], start: int = 0) -> list[int]:

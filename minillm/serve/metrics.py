@@ -63,12 +63,27 @@ class ServerMetrics:
         )
         self.kv_in_use = Gauge("minillm_kv_cache_bytes_in_use", "KV-cache bytes holding filled positions", registry=r)
 
-    def bind(self, worker) -> None:
-        """Read the gauges from the worker at scrape time (no bookkeeping in the request loop)."""
-        self.running.set_function(lambda: worker.running)
-        self.waiting.set_function(lambda: worker.waiting)
-        self.kv_reserved.set_function(lambda: worker.kv_bytes_reserved)
-        self.kv_in_use.set_function(lambda: worker.kv_bytes_in_use)
+    def bind(self, served) -> None:
+        """Read the gauges at scrape time (no bookkeeping in the request loop) from ``served``, the
+        :class:`~minillm.serve.interface.ServedModels` behind the app (``app.create_app`` binds it, once)."""
+        self.running.set_function(lambda: served.running)
+        self.waiting.set_function(lambda: served.waiting)
+        self.kv_reserved.set_function(lambda: served.kv_bytes_reserved)
+        self.kv_in_use.set_function(lambda: served.kv_bytes_in_use)
+
+    def observe_latencies(self, ttft: float | None, decode_steps: list[float], e2e: float) -> None:
+        """A finished request's TTFT (None: no token), each of its decode steps (TPOT) and e2e, seconds."""
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        for step in decode_steps:
+            self.tpot.observe(step)
+        self.e2e.observe(e2e)
+
+    def count_tokens(self, request) -> None:
+        """Count the prompt tokens the model computed for an ended ``BatchRequest`` (prefix-cache hits
+        and a request that never ran: none) and the tokens it sampled."""
+        self.prompt_tokens.inc(request.metrics.prompt_tokens_computed)
+        self.generation_tokens.inc(len(request.new_ids))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this server's registry."""

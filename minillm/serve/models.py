@@ -24,17 +24,13 @@ tokenizer) plus the runtime's own bytes once. ``--keep-alive -1``: idleness neve
 
 from __future__ import annotations
 
-import gc
 import itertools
 import threading
 import time
 
 import minillm
-from minillm.observe.events import TraceEvent
 from minillm.runtime.gguf_plan import gguf_weight_bytes
-from minillm.runtime.loading import run_warmup
 from minillm.runtime.memory_plan import (
-    MIB,
     MemoryPlan,
     format_bytes,
     make_plan,
@@ -42,134 +38,23 @@ from minillm.runtime.memory_plan import (
     rss_bytes,
     trim_heap,
 )
-from minillm.runtime.scheduler import Scheduler
 
 from .events import EventBus
 from .metrics import LATENCY_BUCKETS, ServerMetrics
 from .model_spec import ModelSpec, gguf_file
 from .reliability import Guard
-from .worker import Job, Worker
+from .slot import ModelSlot
+from .worker import Job
 
+__all__ = ["SERVE_MODULES", "ModelRegistry", "ModelSlot", "ModelSpec"]
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "minillm.serve.app")
-
-
-class ModelSlot(Worker):
-    """One model's queue, scheduler and traces; loaded and unloaded by the registry's thread."""
-
-    def __init__(self, spec: ModelSpec, plan: MemoryPlan, registry: ModelRegistry, **worker_options):
-        super().__init__(spec.source, **worker_options)
-        self.spec, self.plan, self.registry = spec, plan, registry
-        self.state = "unloaded"  # unloaded -> loading -> loaded -> unloaded ...
-        self.last_use: float | None = None  # time.time() of the last step or load
-        self.loads = 0
-        self.last_load: dict | None = None  # phases (s), evicted, reason: what the waiting requests' traces show
-
-    @property
-    def context(self) -> int:
-        return self.plan.context
-
-    def submit(self, job: Job) -> None:
-        super().submit(job)
-        self.registry.wake()
-
-    @property
-    def idle(self) -> bool:
-        """Loaded, nothing queued, nothing running or waiting in the scheduler."""
-        return self.state == "loaded" and self.queue.empty() and not self.active
-
-    @property
-    def resident(self) -> dict[str, int]:
-        """Bytes held now, by kind: ``weights`` and ``kv_pool`` (0 when unloaded)."""
-        if self.model is None or self.pool is None:
-            return {"weights": 0, "kv_pool": 0}
-        return {"weights": self.model.transformer.weights.nbytes, "kv_pool": self.pool.nbytes}
-
-    def load(self, evicted: list[tuple[str, str]]) -> dict[str, float]:
-        """Load, commit the KV pool, warm up; returns seconds by phase. Raises what ``minillm.load`` raises.
-
-        The ``warmup`` phase includes what the requests' diagnosis reads, measured there rather than in
-        a request's step: this model's products rate and, at the first load only, the machine's rates."""
-        self.state = "loading"
-        t0 = time.perf_counter()
-        self.model = minillm.load(
-            self.spec.source, warmup=False, threads=self.threads, progress=False, weight_dtype=self.spec.weight_dtype
-        )
-        t1 = time.perf_counter()
-        ws = self.model.transformer.weights.seconds
-        read = ws.get("read", 0.0) + ws.get("map", 0.0)
-        convert = sum(v for k, v in ws.items() if k not in ("read", "map"))
-        self.pool = minillm.KVCachePool.for_model(self.model.config, self.plan.kv_pool / MIB, self.block_size)
-        self.pool.keys.fill(0)  # commit every page now: the pool is resident as planned, not on first write
-        self.pool.values.fill(0)
-        t2 = time.perf_counter()
-        if self.warmup:  # a tracer's warm-up also measures the diagnosis's rates (describe.warmup), not a step
-            tracer = minillm.Tracer()
-            run_warmup(self.model, tracer=tracer, pool=self.pool)
-            self.calibration = next((e.data.get("calibration") for e in tracer.events if e.phase == "warmup"), None)
-        _trim_heap()  # the load's temporaries (float32 rows before int8, file buffers) leave the resident set
-        t3 = time.perf_counter()
-        self.scheduler = Scheduler(
-            self.model, self.pool, max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs
-        )
-        phases = {"read": read, "convert": convert, "other": (t1 - t0) - read - convert}
-        phases |= {"kv_pool": t2 - t1, "warmup": t3 - t2}
-        self.state, self.status, self.loads, self.last_use = "loaded", "ready", self.loads + 1, time.time()
-        self.last_load = {
-            "seconds": phases,
-            "load_s": t3 - t0,
-            "evicted": [{"model": m, "reason": r} for m, r in evicted],
-        }
-        for job in list(self.queue.queue):  # the requests that waited for this load
-            job.load_s = t3 - t0
-        return phases
-
-    def unload(self) -> None:
-        """Drop the model, its pool and scheduler (only ever called when idle)."""
-        held = self.guard.token_bytes  # the prompt check's (tokenizer, longest token) would keep it alive
-        if held is not None and self.model is not None and held[0] is self.model.tokenizer:
-            self.guard.token_bytes = None  # (an evicted model's tokenizer, which no plan counts any more)
-        self.model = self.pool = self.scheduler = None
-        self.state, self.status = "unloaded", "unloaded"
-        gc.collect()
-        _trim_heap()
-
-    def step(self) -> bool:
-        """Take queued jobs and run one scheduler step; returns whether there was work."""
-        self._take_jobs(block=False)
-        if not self.scheduler.has_work():
-            return False
-        try:
-            self.scheduler.step()
-        except Exception as exc:  # noqa: BLE001 - a bug: answer every client, keep the server alive
-            self._fail_all(exc)
-        self._publish()
-        self.last_use = time.time()
-        return True
-
-    def _admit(self, job: Job) -> None:
-        super()._admit(job)
-        if job.load_s and self.last_load is not None:  # the load it waited for, as the first phase of its trace
-            for a in self.active.values():
-                if a.job is job:
-                    facts = {"model": self.spec.served, **self.last_load}
-                    a.tracer.events.insert(0, TraceEvent("model_load", 0.0, job.load_s, facts))
-
-
-class _SlotSum:
-    """A read-only attribute of the registry: the sum of the same-named attribute over its slots (an int)."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
-
-    def __get__(self, registry, owner=None) -> int:
-        return sum(getattr(s, self.name) for s in registry.slots.values())
 
 
 class ModelRegistry:
     """The served models, their plans, and the one thread that loads, evicts and steps them.
 
-    Duck-types the single-model :class:`Worker` where the HTTP layer reads it (``status``,
-    ``metrics``, ``submit``, ``trace``, ``next_id``), plus ``slots`` (served name -> slot).
+    Implements :class:`~minillm.serve.interface.ServedModels` for several models, as the single-model
+    :class:`~minillm.serve.worker.Worker` does for one; ``slots``: served name -> :class:`ModelSlot`.
 
     Args:
         specs: the models, the first one loaded at start.
@@ -177,7 +62,11 @@ class ModelRegistry:
         keep_alive_s: seconds an idle model stays loaded (0: unload when idle; -1: never for idleness).
         max_loaded: models loaded at once; None: as many as the budget holds.
         kv_cache_mib: each model's pool; None: what the budget leaves that model alone (512 MiB without budget).
-        worker_options: the :class:`Worker` arguments every slot shares (max_num_seqs, block_size, ...).
+        guard: backpressure, fault isolation and the drain for every model (default: ``Guard(metrics)``).
+        events: the one event stream of every model (default: a ring of 4096 events).
+        speculative: the draft a request that names none gets, or None.
+        worker_options: the :class:`~minillm.serve.worker.Worker` arguments every slot shares
+            (max_num_seqs, block_size, ...).
 
     Raises:
         MemoryBudgetError: a model that cannot hold one full-context request within the budget
@@ -185,7 +74,9 @@ class ModelRegistry:
     """
 
     def __init__(self, specs, *, metrics: ServerMetrics, budget=None, keep_alive_s=-1.0, max_loaded=None,
-                 kv_cache_mib=None, startup_delay_s=0.0, console=None, **worker_options):  # fmt: skip
+                 kv_cache_mib=None, startup_delay_s=0.0, console=None, guard: Guard | None = None,
+                 events: EventBus | None = None, speculative: minillm.Speculative | None = None,
+                 **worker_options):  # fmt: skip
         self.specs, self.metrics, self.budget = list(specs), metrics, budget
         self.keep_alive_s, self.max_loaded, self.kv_cache_mib = keep_alive_s, max_loaded, kv_cache_mib
         self.startup_delay_s, self.console, self.options = startup_delay_s, console, worker_options
@@ -198,7 +89,8 @@ class ModelRegistry:
         self._ids = itertools.count()
         self.thread: threading.Thread | None = None
         # one guard (fault isolation, backpressure, shutdown) and one event stream for every model
-        self.guard, self.events, self.speculative = Guard(metrics), EventBus(), None
+        self.guard, self.events = guard or Guard(metrics), events or EventBus()
+        self.speculative = speculative
         self._metrics()
 
     # --- the plan, before anything loads -------------------------------------------------------
@@ -224,21 +116,12 @@ class ModelRegistry:
                 weights=packed,
             )  # fmt: skip
             self.slots[spec.served] = ModelSlot(
-                spec, plan, self, metrics=self.metrics, console=self.console, guard=self.guard, events=self.events, **o
-            )
-        self.metrics.bind(self)  # the gauges read the registry (each slot's Worker bound itself)
-        self._bind_guard()
+                spec, plan, on_submit=self.wake, metrics=self.metrics, console=self.console, guard=self.guard,
+                events=self.events, **o,
+            )  # fmt: skip
         return [s.plan for s in self.slots.values()]
 
-    # --- what the HTTP layer reads --------------------------------------------------------------
-    def _bind_guard(self) -> None:
-        """The reliability gauges (one guard for the server) read every slot, and this thread."""
-        c, slots = self.guard.counters, self.slots.values()
-        c.blocks_used.set_function(lambda: sum(s.pool.num_used_blocks for s in slots if s.pool is not None))
-        c.blocks_total.set_function(lambda: sum(s.pool.num_blocks for s in slots if s.pool is not None))
-        c.tracked.set_function(lambda: sum(len(s.active) for s in slots))
-        c.worker_alive.set_function(lambda: float(self.thread is not None and self.thread.is_alive()))
-
+    # --- what the HTTP layer reads (ServedModels) -------------------------------------------------
     def start(self) -> None:
         """Start the thread: load the first model, then serve every model's queue."""
         self.thread = threading.Thread(target=self._run, name="minillm-models", daemon=True)
@@ -252,16 +135,30 @@ class ModelRegistry:
         self.slots[job.model].submit(job)
 
     def trace(self, request_id: str) -> dict | None:
+        """A finished request's kept trace, from whichever model served it; None if none has it."""
         return next((t for s in self.slots.values() if (t := s.trace(request_id)) is not None), None)
 
     def next_id(self, prefix: str) -> str:
+        """A request id unique in this process (one counter for every model)."""
         return f"{prefix}-{self.metrics.instance}-{next(self._ids):04d}"
 
-    # the Worker's gauges, each the sum over the slots: requests running and waiting, KV bytes reserved and in use
-    running = _SlotSum()
-    waiting = _SlotSum()
-    kv_bytes_reserved = _SlotSum()
-    kv_bytes_in_use = _SlotSum()
+    def served_names(self) -> list[str]:
+        """Every served name, the first model's first."""
+        return list(self.slots)
+
+    def target(self, name: str) -> ModelSlot | None:
+        """The slot of the model ``name`` names, or None."""
+        return self.slots.get(name)
+
+    # the Worker's gauges, each the sum over the slots (alive: this registry's one thread)
+    running = property(lambda self: sum(s.running for s in self.slots.values()))
+    waiting = property(lambda self: sum(s.waiting for s in self.slots.values()))
+    kv_bytes_reserved = property(lambda self: sum(s.kv_bytes_reserved for s in self.slots.values()))
+    kv_bytes_in_use = property(lambda self: sum(s.kv_bytes_in_use for s in self.slots.values()))
+    blocks_used = property(lambda self: sum(s.blocks_used for s in self.slots.values()))
+    blocks_total = property(lambda self: sum(s.blocks_total for s in self.slots.values()))
+    tracked = property(lambda self: sum(s.tracked for s in self.slots.values()))
+    alive = property(lambda self: self.thread is not None and self.thread.is_alive())
 
     @property
     def planned_bytes(self) -> int:
@@ -311,7 +208,7 @@ class ModelRegistry:
                     worked |= slot.step()
             self._expire()
             if busy and not worked:  # just gone idle: the steps' freed intermediates leave the resident set,
-                _trim_heap()  # so it is what the models hold (their plans), not what the last burst used
+                trim_heap()  # so it is what the models hold (their plans), not what the last burst used
             busy = worked
             if not worked:
                 self._wake.wait(timeout=0.05)
@@ -400,5 +297,4 @@ class ModelRegistry:
                 gauge.set_function(lambda n=spec.served, k=kind: self.slots[n].resident[k] if n in self.slots else 0)
 
 
-_trim_heap = trim_heap  # a load's temporaries and a freed tokenizer's small objects leave the resident set
 _rss = rss_bytes  # this process's resident set in bytes (multi_server.py's plan route reads it too)

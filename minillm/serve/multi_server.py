@@ -29,10 +29,11 @@ def plan_table(plan: MemoryPlan) -> Table:
 
 
 def build_registry(args: argparse.Namespace, console: Console, speculative=None) -> ModelRegistry:
-    """The registry for ``args`` with every plan made, its one guard and event stream set from the
+    """The registry for ``args`` with every plan made, its one guard and event stream built from the
     flags (as the single-model server's). Raises MemoryBudgetError (and what resolving raises)."""
     from .events import EventBus
     from .metrics import ServerMetrics
+    from .reliability import Guard
 
     dtype = args.weight_dtype or "float32"
     names = [args.served_model_name or args.model, *args.models]
@@ -41,19 +42,19 @@ def build_registry(args: argparse.Namespace, console: Console, speculative=None)
         specs[0] = ModelSpec(args.served_model_name, specs[0].source, specs[0].weight_dtype)
     if len(set(names)) != len(names):
         raise MiniLLMError(f"a model is named twice in {names}; give each served model once.")
+    metrics = ServerMetrics()
     registry = ModelRegistry(
         specs,
-        metrics=ServerMetrics(),
+        metrics=metrics,
         budget=args.memory_budget,
         keep_alive_s=-1.0 if args.keep_alive is None else args.keep_alive,
         max_loaded=args.max_loaded_models,
         kv_cache_mib=args.kv_cache_mib,
+        guard=Guard(metrics, stream_buffer=args.stream_buffer, test_faults=args.test_faults),
+        events=EventBus(args.events_buffer, args.max_event_subscribers, log=console.print),
+        speculative=speculative,
         **worker_options(args, console),
     )
-    # before plan_all hands them to every slot: the flags of backpressure, the fault hook, the events
-    registry.guard.stream_buffer, registry.guard.test_faults = args.stream_buffer, args.test_faults
-    registry.events = EventBus(args.events_buffer, args.max_event_subscribers, log=console.print)
-    registry.speculative = speculative
     registry.plan_all()
     return registry
 
@@ -93,7 +94,7 @@ def build_registry_app(args: argparse.Namespace, console: Console, err: Console,
         console.print(slot.plan.kv_line())
     if registry.budget is not None:
         console.print(f"memory budget {format_bytes(registry.budget)}; runtime {format_bytes(registry.runtime_bytes)}")
-    app = create_app(registry, registry.specs[0].served, max_request_bytes=args.max_request_bytes)
+    app = create_app(registry, max_request_bytes=args.max_request_bytes)
     add_routes(app, registry)
     names = ", ".join(registry.slots)
     console.print(

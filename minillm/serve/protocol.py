@@ -170,10 +170,12 @@ class UsageInfo(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
     load_s: float = 0.0  # minillm: seconds of the model load this request waited for (ollama's load_duration)
-    # minillm's extras, with speculative decoding: forward passes of the model, tokens drafted and kept
+    # minillm's extras, with speculative decoding: forward passes of the model, tokens drafted and kept,
+    # and the passes that rejected a draft (alpha per position checked = kept / (kept + rejections))
     target_passes: int | None = None
     drafted_tokens: int | None = None
     accepted_tokens: int | None = None
+    rejections: int | None = None
 
 
 class TopLogprob(BaseModel):

@@ -7,7 +7,8 @@
     a shutdown (``shutdown.py``)         -> running requests are cancelled with the reason given
 
 The worker calls :class:`Guard` between steps and when a request ends; the guard holds no model
-state, only limits, counters and the reason (if any) every running request must stop for.
+state, only limits, counters and the reason (if any) every running request must stop for. It
+never reaches into the worker: it is handed requests and jobs, and returns what to answer.
 
 Test hook (only with ``minillm serve --test-faults``): a request's extra field
 ``"minillm_test_fault": {"stage": "sampler" | "detokenizer" | "stop", "at_token": N}`` raises
@@ -22,7 +23,9 @@ refused with a 400.
 from __future__ import annotations
 
 import asyncio
+import time
 import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -60,12 +63,13 @@ class ReliabilityMetrics:
         self.tracked = Gauge("minillm_requests_tracked", "Requests the worker holds state for", registry=r)
         self.worker_alive = Gauge("minillm_worker_alive", "1 while the model's worker thread runs", registry=r)
 
-    def bind(self, worker) -> None:
-        """Read the gauges from the worker at scrape time."""
-        self.blocks_used.set_function(lambda: worker.pool.num_used_blocks if worker.pool is not None else 0)
-        self.blocks_total.set_function(lambda: worker.pool.num_blocks if worker.pool is not None else 0)
-        self.tracked.set_function(lambda: len(worker.active))
-        self.worker_alive.set_function(lambda: float(worker.thread is not None and worker.thread.is_alive()))
+    def bind(self, served) -> None:
+        """Read the gauges at scrape time from ``served``, the
+        :class:`~minillm.serve.interface.ServedModels` behind the app (``app.create_app`` binds it, once)."""
+        self.blocks_used.set_function(lambda: served.blocks_used)
+        self.blocks_total.set_function(lambda: served.blocks_total)
+        self.tracked.set_function(lambda: served.tracked)
+        self.worker_alive.set_function(lambda: float(served.alive))
 
 
 class Guard:
@@ -105,19 +109,19 @@ class Guard:
         self.counters.drained.labels(how=label).inc()
         self.drained.append((request_id, label, how))
 
-    def between_steps(self, worker) -> None:
-        """On the worker thread: cancel every request with ``stop_reason`` once it is set."""
+    def between_steps(self, requests: Iterable[GuardedRequest]) -> None:
+        """On the worker thread: cancel every one of the worker's ``requests`` with ``stop_reason`` once it is set."""
         if self.stop_reason is None:
             return
-        for a in worker.active.values():
-            a.request.cancel(self.stop_reason)
+        for request in requests:
+            request.cancel(self.stop_reason)
 
     def shed(self, a) -> bool:
         """True if this stream's client is too far behind: cancel it (once) and send it no more text.
 
         Reads the stream's channel length only; never waits on the client.
         """
-        if getattr(a, "shed", False):
+        if a.shed:
             return True
         behind = a.job.channel.qsize()
         if behind <= self.stream_buffer or a.request.stop_reason is not None:
@@ -129,28 +133,20 @@ class Guard:
         self.counters.shed.inc()
         return True
 
-    def failed(self, worker, a) -> bool:
-        """If the request ended by a bug of its own, answer it with the error; True if so."""
-        error = getattr(a.request, "error", None)
-        if error is None:
-            return False
-        stage, exc = error
+    def failure(self, a) -> MiniLLMBug | None:
+        """If an ended request (the worker's ``Active``) ended by a bug of its own, count it and return
+        the error to answer it with (the HTTP layer's 500); else None."""
+        if a.request.error is None:
+            return None
+        stage, exc = a.request.error
         self.counters.failed.labels(stage=stage).inc()
-        worker._count_tokens(a.request)  # what it computed before the bug was computed
-        worker.metrics.finished.labels(reason="error").inc()  # its final state, as any other request's
-        worker._remember(a.job, None, a.wait, a.tracer.events, note=f"minillm bug in its {stage}: {describe(exc)}")
-        a.job.send("error", MiniLLMBug(stage, exc, a.job.request_id))
-        return True
+        return MiniLLMBug(stage, exc, a.job.request_id)
 
-    def bug(self, worker, job, stage: str, exc: Exception) -> None:
-        """A bug outside any one request's step (admission, answering): answer that job, count it.
-        (A bug in answering may come after the request's final state was counted: only admission's counts it.)"""
+    def bug(self, job, stage: str, exc: Exception) -> MiniLLMBug:
+        """A bug outside any one request's step (admission, answering): count it; returns the error
+        to answer ``job`` with."""
         self.counters.failed.labels(stage=stage).inc()
-        if stage == "admission":
-            worker.metrics.finished.labels(reason="error").inc()
-        worker.active = {i: a for i, a in worker.active.items() if a.job is not job}
-        worker._remember(job, None, 0.0, [], note=f"minillm bug in {stage}: {describe(exc)}")
-        job.send("error", MiniLLMBug(stage, exc, job.request_id))
+        return MiniLLMBug(stage, exc, job.request_id)
 
 
 class MiniLLMBug(Exception):
@@ -273,6 +269,15 @@ def _wrap(owner, attr: str, method: str, due, boom) -> None:
             return call
 
     setattr(owner, attr, Faulty())
+
+
+def hold_admission(fault: dict, another_came: Callable[[], bool]) -> None:
+    """``--test-faults``' admission stage: keep the job the worker is admitting (taken from the queue,
+    not yet in the scheduler) until ``another_came()`` (another request reached ``submit``, queued or
+    refused), at most ``fault["hold_s"]`` seconds: the window in which ``--max-queue`` must still count it."""
+    deadline = time.monotonic() + fault.get("hold_s", 30.0)
+    while not another_came() and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 class Channel(asyncio.Queue):

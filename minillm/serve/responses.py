@@ -16,13 +16,14 @@ import json
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 import minillm
 
 from . import logprobs as lp
 from . import protocol as p
+from .jobs import Job, Outcome
 from .reliability import MiniLLMBug
-from .worker import Job, Outcome
 
 FINISH_REASON = {
     minillm.StopReason.EOS: "stop",
@@ -137,7 +138,7 @@ def final_response(o: Outcome, request_id: str, served_model: str, chat: bool):
 
 def sse_line(obj) -> str:
     """One Server-Sent Event, ``data: <json>`` and a blank line, for a pydantic model or a dict."""
-    data = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    data = obj.model_dump_json(exclude_none=False) if isinstance(obj, BaseModel) else json.dumps(obj)
     return f"data: {data}\n\n"
 
 

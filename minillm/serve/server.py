@@ -24,7 +24,11 @@ def run_server(args: argparse.Namespace) -> int:
         err.print(f"[bold red]error:[/] {problem}")
         return 2
     try:
-        speculative = minillm.Speculative(args.speculative, args.num_speculative_tokens) if args.speculative else None
+        speculative = (
+            minillm.Speculative(draft=args.speculative, num_tokens=args.num_speculative_tokens)
+            if args.speculative
+            else None
+        )
     except minillm.MiniLLMError as exc:
         err.print(f"[bold red]error:[/] --speculative / --num-speculative-tokens: {exc}")
         return 2
@@ -86,17 +90,18 @@ def _one_model_app(args: argparse.Namespace, console: Console, speculative):
     from .worker import Worker
 
     metrics = ServerMetrics()
+    served = args.served_model_name or args.model
     worker = Worker(
         args.model,
         metrics=metrics,
+        served_name=served,
         **worker_options(args, console),
         kv_cache_mib=args.kv_cache_mib if args.kv_cache_mib is not None else 512.0,
         events=EventBus(args.events_buffer, args.max_event_subscribers, log=console.print),
         guard=Guard(metrics, stream_buffer=args.stream_buffer, test_faults=args.test_faults),
         speculative=speculative,
     )
-    served = args.served_model_name or args.model
-    app = create_app(worker, served, max_request_bytes=args.max_request_bytes)
+    app = create_app(worker, max_request_bytes=args.max_request_bytes)
     console.print(
         f"minillm serve: {served} on http://{args.host}:{args.port} (loading in the background; "
         "GET /health answers 200 when ready)"

@@ -14,22 +14,21 @@ share one paged KV-cache pool (``--kv-cache-mib``) and the scheduler of ``genera
 running decodes keep their pace, at most ``--max-num-seqs`` run at once, and a prompt that starts
 with blocks already in the pool reuses them (``usage.prompt_tokens_details.cached_tokens``).
 
-Only the public ``minillm`` API and the runtime's scheduler are used here.
+The worker is one of the two shapes of :class:`~minillm.serve.interface.ServedModels`, the one
+interface the HTTP layer talks to (the other: ``models.py``'s registry of several models).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import queue
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import replace
 
 import minillm
 from minillm.runtime.loading import run_warmup
-from minillm.runtime.scheduler import BatchRequest, Scheduler
+from minillm.runtime.scheduler import Scheduler
 from minillm.runtime.steps import prepare
 
 from . import logprobs as lp
@@ -37,7 +36,8 @@ from .events import EventBus
 from .jobs import Active, Job, Outcome, QueueFullError
 from .live import LiveFeed
 from .metrics import ServerMetrics
-from .reliability import Guard, GuardedRequest
+from .reliability import Guard, GuardedRequest, MiniLLMBug, describe, hold_admission
+from .traces import TraceStore
 
 __all__ = ["Active", "Job", "Outcome", "QueueFullError", "Worker"]
 
@@ -45,8 +45,11 @@ __all__ = ["Active", "Job", "Outcome", "QueueFullError", "Worker"]
 class Worker:
     """Loads the model, then runs queued jobs together, a continuous batch, on its own thread.
 
+    Implements :class:`~minillm.serve.interface.ServedModels` for one model.
+
     Args:
         model_name: a name from ``minillm models`` or a local folder.
+        served_name: the name clients pass as ``model`` (default ``model_name``).
         max_queue: how many requests may *wait* (running ones not counted); beyond: QueueFullError.
         max_num_seqs: requests running at once (the rest wait).
         kv_cache_mib: the paged KV-cache pool every running request's keys and values share.
@@ -66,6 +69,7 @@ class Worker:
         model_name: str,
         *,
         metrics: ServerMetrics,
+        served_name: str | None = None,
         max_queue: int = 64,
         request_timeout_s: float | None = None,
         max_seq_len: int | None = None,
@@ -83,16 +87,11 @@ class Worker:
         guard: Guard | None = None,
         speculative: minillm.Speculative | None = None,
     ):
-        self.model_name = model_name
+        self.model_name, self.served_name = model_name, served_name or model_name
         self.speculative = speculative  # the default for requests that do not name a draft
-        self.metrics = metrics
-        self.request_timeout_s = request_timeout_s
-        self.max_seq_len = max_seq_len
-        self.threads = threads
-        self.warmup = warmup
-        self.verbosity = verbosity
-        self.console = console
-        self.startup_delay_s = startup_delay_s
+        self.metrics, self.request_timeout_s, self.max_seq_len = metrics, request_timeout_s, max_seq_len
+        self.threads, self.warmup, self.startup_delay_s = threads, warmup, startup_delay_s
+        self.verbosity, self.console = verbosity, console
         self.model: minillm.Model | None = None
         self.status = "starting"  # starting -> loading -> ready | failed
         self.error: str | None = None
@@ -111,17 +110,14 @@ class Worker:
         self._submits_at_take = 0  # _submitted when the job being admitted left the queue
         self._arrival = threading.Event()  # set by submit: a job was queued (wakes a waiting worker)
         self.calibration: dict | None = None  # the diagnosis's calibration, measured during the warm-up
-        self.traces: OrderedDict[str, dict] = OrderedDict()
         self.keep_traces = keep_traces
-        self._lock = threading.Lock()  # guards traces (written by the worker, read by the loop)
         self._ids = itertools.count()
         self._indices = itertools.count()  # the scheduler's request numbers
         self.events = events or EventBus()
         self.live = LiveFeed(self.events)  # builds events only while someone subscribes
-        metrics.bind(self)
+        self.traces = TraceStore(keep_traces, on_record=self.live.finished)  # GET /v1/traces/{id}
         self.thread: threading.Thread | None = None
         self.guard = guard or Guard(metrics)  # fault isolation, backpressure, shutdown (reliability.py)
-        self.guard.counters.bind(self)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self, model: minillm.Model | None = None) -> None:
@@ -170,7 +166,7 @@ class Worker:
         """Move queued jobs into the batch (waiting for one if ``block``), run one step, send what
         it made. The worker thread calls it in a loop; tests call it to step the worker by hand."""
         self._take_jobs(block=block)
-        self.guard.between_steps(self)
+        self.guard.between_steps(a.request for a in self.active.values())
         if self.scheduler.has_work():
             pause = self.scheduler.seconds_until_ready()
             if pause > 0:  # only slow-motion requests run, all sitting out: wait (a new job ends it)
@@ -205,6 +201,38 @@ class Worker:
     def kv_bytes_in_use(self) -> int:
         """Bytes holding the running requests' filled positions."""
         return sum(r.seq.used_bytes for r in self.scheduler.running) if self.scheduler is not None else 0
+
+    @property
+    def blocks_used(self) -> int:
+        """KV-pool blocks held by requests."""
+        return self.pool.num_used_blocks if self.pool is not None else 0
+
+    @property
+    def blocks_total(self) -> int:
+        """KV-pool blocks in all (0 before the pool is built)."""
+        return self.pool.num_blocks if self.pool is not None else 0
+
+    @property
+    def tracked(self) -> int:
+        """Requests admitted and not yet answered."""
+        return len(self.active)
+
+    @property
+    def alive(self) -> bool:
+        """True while the worker thread runs."""
+        return self.thread is not None and self.thread.is_alive()
+
+    def served_names(self) -> list[str]:
+        """The one name clients pass as ``model``."""
+        return [self.served_name]
+
+    def target(self, name: str) -> Worker | None:
+        """This worker if ``name`` is its served name, else None."""
+        return self if name == self.served_name else None
+
+    def model_cards(self) -> list[dict]:
+        """GET /v1/models' one entry."""
+        return [{"id": self.served_name}]
 
     def submit(self, job: Job) -> None:
         """Queue a job (arrival order). Raises QueueFullError when ``max_queue`` jobs already wait
@@ -255,7 +283,8 @@ class Worker:
             try:
                 self._admit(job)
             except Exception as exc:  # noqa: BLE001 - a bug: answer this client, keep the worker alive
-                self.guard.bug(self, job, "admission", exc)
+                self.metrics.finished.labels(reason="error").inc()  # its final state: nothing else counted it
+                self._answer_bug(job, self.guard.bug(job, "admission", exc), "in admission")
             finally:
                 with self._admission:  # answered without entering the scheduler (or already moved: no-op)
                     self._admitting.discard(job.request_id)
@@ -264,9 +293,11 @@ class Worker:
         wait = time.perf_counter() - job.arrival
         self.metrics.queue_wait.observe(wait)
         if job.cancel.is_set():  # the client left while the request waited: no work at all
-            self._remember(job, minillm.StopReason.CANCELLED, wait, [], note="client left while queued")
-            self.metrics.finished.labels(reason=minillm.StopReason.CANCELLED.value).inc()  # no token processed
-            job.send("done", Outcome("", 0, 0, minillm.StopReason.CANCELLED, wait, None, None))
+            cancelled = minillm.StopReason.CANCELLED
+            self.traces.remember(job, cancelled, wait, [], note="client left while queued")
+            self.metrics.finished.labels(reason=cancelled.value).inc()  # no token processed
+            job.send("done", Outcome(text="", prompt_tokens=0, completion_tokens=0, stop_reason=cancelled,
+                                     queue_wait_s=wait, ttft_s=None, logprobs=None))  # fmt: skip
             return
         tracer = self._tracer()
         if tracer.console is not None:
@@ -298,25 +329,16 @@ class Worker:
                 step_delay_s=job.slow_motion_s,
             )
             if job.fault is not None and job.fault["stage"] == "admission":
-                self._hold_admission(job.fault)
+                hold_admission(job.fault, lambda: self._submitted != self._submits_at_take)
             with self._admission:  # in the scheduler and no longer being admitted, in one move
                 self.scheduler.add(request)  # refuses a request the pool could never hold (400)
                 self._admitting.discard(job.request_id)
         except minillm.MiniLLMError as exc:  # a request the runtime refuses: the client gets a 400
-            self._remember(job, None, wait, tracer.events, note=f"{type(exc).__name__}: {exc}")
+            self.traces.remember(job, None, wait, tracer.events, note=f"{type(exc).__name__}: {exc}")
             self.metrics.finished.labels(reason="refused").inc()
             job.send("error", exc)
             return
-        self.active[request.index] = Active(job, request, tracer, wait)
-
-    def _hold_admission(self, fault: dict) -> None:
-        """``--test-faults``' admission stage (``reliability.py``): keep this job taken from the queue and
-        not yet in the scheduler until another request reaches :meth:`submit` (queued or refused) after
-        it left the queue, at most ``fault["hold_s"]`` seconds: the window in which ``--max-queue`` must
-        still count it."""
-        deadline = time.monotonic() + fault.get("hold_s", 30.0)
-        while self._submitted == self._submits_at_take and time.monotonic() < deadline:
-            time.sleep(0.005)
+        self.active[request.index] = Active(job=job, request=request, tracer=tracer, wait=wait)
 
     def _publish(self) -> None:
         """Send each request's new text; answer the ones that finished."""
@@ -327,18 +349,29 @@ class Worker:
             if a.request.result is not None:
                 del self.active[index]
                 try:
-                    if not self.guard.failed(self, a):
+                    if (bug := self.guard.failure(a)) is None:
                         self._done(a)
+                    else:  # it ended by a bug of its own: what it computed before the bug was computed
+                        self.metrics.count_tokens(a.request)
+                        self.metrics.finished.labels(reason="error").inc()  # its final state, as any other's
+                        self._answer_bug(a.job, bug, f"in its {bug.stage}", a.wait, a.tracer.events)
                 except Exception as exc:  # noqa: BLE001 - a bug answering it: that client gets a 500
-                    self.guard.bug(self, a.job, "answer", exc)
+                    self._answer_bug(a.job, self.guard.bug(a.job, "answer", exc), "in answer")
+
+    def _answer_bug(self, job: Job, bug: MiniLLMBug, where: str, wait: float = 0.0, events: list = ()) -> None:
+        """Answer ``job`` with minillm's bug (the HTTP layer's 500) and keep its trace saying where."""
+        self.active = {i: a for i, a in self.active.items() if a.job is not job}
+        self.traces.remember(job, None, wait, events, note=f"minillm bug {where}: {describe(bug.original)}")
+        job.send("error", bug)
 
     def _fail_all(self, exc: Exception) -> None:
         for index, a in list(self.active.items()):
             del self.active[index]
             a.request.seq.reset()
-            self._count_tokens(a.request)
+            self.metrics.count_tokens(a.request)
             self.metrics.finished.labels(reason="error").inc()
-            self._remember(a.job, None, a.wait, a.tracer.events, note=f"internal error {type(exc).__name__}: {exc}")
+            note = f"internal error {type(exc).__name__}: {exc}"
+            self.traces.remember(a.job, None, a.wait, a.tracer.events, note=note)
             a.job.send("error", exc)
         self.scheduler.running.clear()
         self.scheduler.waiting.clear()
@@ -347,91 +380,19 @@ class Worker:
         job, result, tracer, wait = a.job, a.request.result, a.tracer, a.wait
         m = result.metrics
         ttft = wait + m.ttft_s if result.ids and m.ttft_s is not None else None
-        timed = not job.slow_motion_s  # a slow-motion request's latencies are stretched on purpose: not counted
-        if ttft is not None and timed:
-            self.metrics.ttft.observe(ttft)
-        for step in m.decode_step_s if timed else ():
-            self.metrics.tpot.observe(step)
-        if timed:
-            self.metrics.e2e.observe(time.perf_counter() - job.arrival)
-        self._count_tokens(a.request)
+        if not job.slow_motion_s:  # a slow-motion request's latencies are stretched on purpose: not counted
+            self.metrics.observe_latencies(ttft, m.decode_step_s, time.perf_counter() - job.arrival)
+        self.metrics.count_tokens(a.request)
         self.metrics.finished.labels(reason=result.stop_reason.value).inc()
-        logprobs = self._logprobs(result, job.top_logprobs) if job.top_logprobs is not None else None
-        self._remember(job, result.stop_reason, wait, tracer.events)
-        job.send(
-            "done",
-            Outcome(
-                result.text,
-                len(result.prompt_ids),
-                len(result.ids),
-                result.stop_reason,
-                wait,
-                ttft,
-                logprobs,
-                m.cached_prompt_tokens,
-                job.load_s,
-                result.incomplete,
-                {k: getattr(m, k) for k in ("target_passes", "drafted_tokens", "accepted_tokens")}
-                if m.speculative_k
-                else None,
-            ),
-        )
-
-    def _count_tokens(self, request: BatchRequest) -> None:
-        """Count the prompt tokens the model computed (prefix-cache hits and a request that never
-        ran: none) and the tokens it sampled."""
-        self.metrics.prompt_tokens.inc(request.metrics.prompt_tokens_computed)
-        self.metrics.generation_tokens.inc(len(request.new_ids))
-
-    def _remember(self, job: Job, reason, wait: float, events: list, note: str | None = None) -> None:
-        """Keep the request's trace for GET /v1/traces/{id} (the newest ``keep_traces`` only)."""
-        record = {
-            "id": job.request_id,
-            "stop_reason": reason.value if reason is not None else "error",
-            "queue_wait_s": wait,
-            "note": note,
-            "slow_motion_s": job.slow_motion_s,  # seconds it sat out after each step (not in the metrics)
-            "events": [_event_dict(e) for e in events],
-        }
-        with self._lock:
-            self.traces[job.request_id] = record
-            while len(self.traces) > self.keep_traces:
-                self.traces.popitem(last=False)
-        self.live.finished(record)
+        top = job.top_logprobs
+        logprobs = lp.of_result(self.model.tokenizer, result, top) if top is not None else None
+        self.traces.remember(job, result.stop_reason, wait, tracer.events)
+        job.send("done", Outcome.of(result, job, wait, ttft, logprobs))
 
     def trace(self, request_id: str) -> dict | None:
         """The stored trace of a finished request, or None (unknown or already dropped)."""
-        with self._lock:
-            return self.traces.get(request_id)
-
-    # --- logprobs ------------------------------------------------------------------------------
-    def _logprobs(self, result, top: int) -> list[dict]:
-        """One entry per output token (a stopping EOS left out) in OpenAI's shape (``logprobs.py``:
-        each token's own bytes), from the numbers the sampler drew with (``result.logprobs``,
-        ``SamplingParams.top_logprobs``: after the bias, penalties, mask, temperature, top-k, top-p,
-        min-p; at temperature 0, the distribution at temperature 1)."""
-        ids = result.ids[:-1] if result.stop_reason is minillm.StopReason.EOS else result.ids
-        steps = [(s["id"], math.exp(s["logprob"]), [(i, math.exp(q)) for i, q in s["top"]]) for s in result.logprobs]
-        return lp.content(self.model.tokenizer, steps, ids, top)
+        return self.traces.get(request_id)
 
     def next_id(self, prefix: str) -> str:
         """A request id unique in this process, e.g. ``chatcmpl-1a2b3c4d-0007``."""
         return f"{prefix}-{self.metrics.instance}-{next(self._ids):04d}"
-
-
-def _event_dict(event) -> dict:
-    """A TraceEvent as plain JSON data; NaN (e.g. TPOT of a one-token request) becomes None,
-    because strict JSON, which HTTP responses use, has no NaN."""
-    import json
-
-    return _finite(json.loads(event.to_json()))
-
-
-def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value

@@ -455,21 +455,27 @@ def test_server_speculative_body_field_and_default(word_model):
     from minillm.serve.worker import Worker
 
     plain = minillm.generate(word_model, PROMPTS[0], max_new_tokens=12)
-    worker = Worker(str(word_model.path), metrics=ServerMetrics(), warmup=False, verbosity="quiet",
+    default = minillm.generate(word_model, PROMPTS[0], max_new_tokens=12,
+                               speculative=Speculative("layers:2", num_tokens=3)).metrics  # the server's default
+    worker = Worker(str(word_model.path), metrics=ServerMetrics(), served_name="word", warmup=False, verbosity="quiet",
                     kv_cache_mib=1, block_size=4, speculative=Speculative("layers:2", num_tokens=3))  # fmt: skip
-    with TestClient(create_app(worker, "word")) as client:
+    with TestClient(create_app(worker)) as client:
         for _ in range(600):
             if client.get("/health").status_code == 200:
                 break
             time.sleep(0.05)
         body = {"model": "word", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+        counts = ("target_passes", "drafted_tokens", "accepted_tokens", "rejections")
         for extra in ({}, {"speculative": "ngram", "num_speculative_tokens": 5}):
             out = client.post("/v1/completions", json={**body, **extra}).json()
             assert out["choices"][0]["text"] == plain.text
             usage = out["usage"]
             assert usage["target_passes"] + usage["accepted_tokens"] == 12 and usage["drafted_tokens"] > 0
+            assert usage["rejections"] <= usage["target_passes"]  # at most one rejection a pass
+            if not extra:  # the server's default: the same counts as generate's
+                assert [usage[k] for k in counts] == [getattr(default, k) for k in counts]
         off = client.post("/v1/completions", json={**body, "speculative": "off"}).json()["usage"]
-        assert off["target_passes"] is None and off["completion_tokens"] == 12
+        assert off["target_passes"] is None and off["rejections"] is None and off["completion_tokens"] == 12
         bad = client.post("/v1/completions", json={**body, "speculative": "layers:9"})
         assert bad.status_code == 400 and "K must be in 1..3" in bad.json()["error"]["message"]
 

@@ -8,7 +8,6 @@ import json
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -64,11 +63,10 @@ def test_ui_without_its_file_is_a_404_naming_why(tmp_path, monkeypatch):
 
     monkeypatch.setattr(app_module, "UI_PAGE", tmp_path / "missing" / "ui.html")
     from minillm.serve.metrics import ServerMetrics
-    from minillm.serve.reliability import Guard
+    from minillm.serve.worker import Worker
 
-    metrics = ServerMetrics()
-    worker = SimpleNamespace(metrics=metrics, events=EventBus(), guard=Guard(metrics))
-    r = TestClient(app_module.create_app(worker, MODEL)).get("/ui")
+    worker = Worker(MODEL, metrics=ServerMetrics())  # never started: /ui reads no model
+    r = TestClient(app_module.create_app(worker)).get("/ui")
     assert r.status_code == 404
     error = r.json()["error"]
     assert error["code"] == "ui_not_installed" and "missing" in error["message"] and "reinstall" in error["message"]

@@ -103,13 +103,14 @@ def app(smollm2):
     from minillm.serve.metrics import ServerMetrics
     from minillm.serve.worker import Worker
 
-    worker = Worker("test", metrics=ServerMetrics(), warmup=False, kv_cache_mib=16.0)
+    worker = Worker("test", metrics=ServerMetrics(), served_name="smollm2-135m-instruct", warmup=False,
+                    kv_cache_mib=16.0)
     worker.start(smollm2)  # the worker thread serves the loaded model
     for _ in range(1000):
         if worker.status == "ready":
             break
         asyncio.run(asyncio.sleep(0.01))
-    return create_app(worker, "smollm2-135m-instruct")
+    return create_app(worker)
 
 
 def openai_client(app):

@@ -52,6 +52,7 @@ class Stream:
     def __init__(self, behind: int):
         self.job = SimpleNamespace(channel=SimpleNamespace(qsize=lambda: behind))
         self.request = SimpleNamespace(stop_reason=None, cancel=self.cancel)
+        self.shed = False  # the worker's Active.shed: set by the guard when it cancels the stream
         self.cancelled: list[str] = []
 
     def cancel(self, reason: str) -> None:

@@ -42,8 +42,8 @@ def model(tmp_path_factory):
 
 
 def served(model, **options):
-    worker = stepped_worker(model, **options)
-    return worker, create_app(worker, NAME)
+    worker = stepped_worker(model, served_name=NAME, **options)
+    return worker, create_app(worker)
 
 
 async def call(app, worker, path: str, body: dict, max_steps: int = 500) -> httpx.Response:
@@ -158,7 +158,7 @@ def test_a_non_streaming_client_that_disconnects_is_cancelled(model):
     assert counts(worker)["generated"] == 3
     answer = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
     assert answer["choices"][0]["finish_reason"] == "abort" and answer["usage"]["completion_tokens"] == 3
-    (trace,) = worker.traces.values()
+    (trace,) = worker.traces.records.values()
     assert trace["stop_reason"] == "cancelled"
 
 

@@ -75,7 +75,8 @@ def job(prompt, *, chat=False, max_tokens=8, stop=None, top_logprobs=None, param
 
     box = Inbox()
     params = params or minillm.SamplingParams(temperature=0.0)
-    return Job(request_id, prompt, chat, params, max_tokens, stop, top_logprobs, box, box)
+    return Job(request_id=request_id, prompt=prompt, chat=chat, params=params, max_tokens=max_tokens, stop=stop,
+               top_logprobs=top_logprobs, loop=box, channel=box)  # fmt: skip
 
 
 def finish(worker, max_steps: int = 10_000) -> None:
