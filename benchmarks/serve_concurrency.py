@@ -5,7 +5,7 @@
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python -m benchmarks.serve_concurrency   # OpenBLAS's own kernel
 
 It starts ``minillm serve`` (``--threads``, quiet) on a free port, then runs ``minillm bench``'s
-own load generator (``serve/bench.py``: ``--requests`` streamed completions per level, prompts of
+own load generator (``minillm/cli/bench.py``: ``--requests`` streamed completions per level, prompts of
 about ``--prompt-tokens`` tokens, ``--max-tokens`` each) at concurrency 1 and 8 in alternation,
 ``--rounds`` times, so the two levels meet the same minutes of a shared machine. The ratio of
 issue 16 is the median over rounds of ``output tokens/s at 8 / output tokens/s at 1`` (target >= 2.5).
@@ -49,8 +49,8 @@ def _kernel(env: dict) -> str:
 
 
 def main(argv=None) -> dict:
+    from minillm.cli import bench
     from minillm.observe.metrics import cpu_snapshot
-    from minillm.serve import bench
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.serve_concurrency", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")

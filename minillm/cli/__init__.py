@@ -8,6 +8,8 @@
     minillm models                                  # the manifest
     minillm cache                                   # what is cached (MiB); `minillm cache rm NAME` removes one
     minillm calibrate                               # measure this machine again (the diagnosis's rates)
+    minillm serve                                   # an OpenAI-compatible server (minillm/serve, extra: serve)
+    minillm bench --url http://127.0.0.1:8000 --concurrency 1,2,4   # a load generator: a client (bench.py)
 
 Errors minillm raises on purpose (``MiniLLMError``) print as one clear message, no traceback
 (``--debug`` shows it), and exit with status 2.
@@ -30,6 +32,7 @@ from minillm.cli.chat import run_conversation
 from minillm.cli.options import add_request_args, bare_verbosity
 from minillm.cli.request import run_request
 from minillm.errors import MiniLLMError
+from minillm.serve import DEFAULT_MODEL, require_extra
 from minillm.serve import add_commands as add_serve_commands
 
 
@@ -47,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the models in weights_manifest.toml")
     models.add_argument("--debug", action="store_true")
     add_serve_commands(sub)
+    _add_bench_command(sub)
     add_cache_command(sub)
     cal = sub.add_parser(
         "calibrate",
@@ -55,6 +59,62 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--threads", type=int, default=None, metavar="N", help="BLAS threads to measure with")
     cal.add_argument("--debug", action="store_true")
     return parser
+
+
+def _add_bench_command(sub) -> None:
+    """``minillm bench``: load-test an OpenAI-compatible server, or switch between models (``--models``)."""
+    b = sub.add_parser("bench", help="load-test an OpenAI-compatible server (minillm, vLLM, llama.cpp)")
+    b.add_argument(
+        "--models",
+        default=None,
+        metavar="A,B",
+        help="switching bench (bench_switch.py): requests one at a time over these models, in --pattern order",
+    )
+    b.add_argument(
+        "--pattern",
+        default="alternate,sticky",
+        help="with --models: alternate (every request switches), sticky (one block per model), or both "
+        "(default: %(default)s)",
+    )
+    b.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="the server's base URL, without /v1 (default: %(default)s)"
+    )
+    b.add_argument("--model", default=DEFAULT_MODEL, help="the model name the server expects (default: %(default)s)")
+    b.add_argument(
+        "--concurrency", default="1,2,4,8", help="comma-separated client counts, one level each (default: %(default)s)"
+    )
+    b.add_argument(
+        "--requests", type=int, default=16, metavar="N", help="requests per concurrency level (default: %(default)s)"
+    )
+    b.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=64,
+        metavar="P",
+        help="prompt length, about P tokens (default: %(default)s)",
+    )
+    b.add_argument(
+        "--max-tokens", type=int, default=32, metavar="T", help="max_tokens of each request (default: %(default)s)"
+    )
+    b.add_argument(
+        "--json", default=None, metavar="PATH", help="write the results here (default: bench-results/bench-<time>.json)"
+    )
+    b.add_argument(
+        "--timeout", type=float, default=300.0, metavar="S", help="HTTP timeout per request, s (default: %(default)s)"
+    )
+    b.add_argument("--debug", action="store_true", help="show tracebacks")
+    b.set_defaults(run_command=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    require_extra("bench", ("httpx",))
+    if args.models:  # switching between models (bench_switch.py)
+        from minillm.cli.bench_switch import run_switch_command
+
+        return run_switch_command(args)
+    from minillm.cli.bench import run_bench_command
+
+    return run_bench_command(args)
 
 
 def _cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
@@ -126,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_cache(args, console)
         if args.command == "chat" and args.prompt is None:
             return run_conversation(args, console)
-        if hasattr(args, "run_command"):  # serve, bench (minillm/serve)
+        if hasattr(args, "run_command"):  # serve (minillm/serve), bench (bench.py)
             return args.run_command(args)
         return run_request(args, console)
     except MiniLLMError as exc:

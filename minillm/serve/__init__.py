@@ -1,10 +1,10 @@
-"""Serving minillm over HTTP (OpenAI's API) and measuring it under load (lesson 10).
+"""Serving minillm over HTTP (OpenAI's API) (lessons 10, 14, 17).
 
     minillm serve smollm2-135m-instruct --port 8000      # app.py + worker.py (extra: serve)
-    minillm bench --url http://127.0.0.1:8000 --model smollm2-135m-instruct --concurrency 1,2,4
 
-This ``__init__`` only adds the two subcommands to the CLI; FastAPI, uvicorn and httpx are
-imported when a command runs, so ``minillm run`` works without the ``serve`` extra.
+The load generator that measures it, ``minillm bench``, is a client: it lives in ``minillm/cli/bench.py``.
+This ``__init__`` only adds the ``serve`` subcommand to the CLI; FastAPI and uvicorn are imported
+when it runs, so ``minillm run`` works without the ``serve`` extra.
 """
 
 from __future__ import annotations
@@ -16,14 +16,11 @@ from minillm.errors import MissingExtraError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 #: the packages of the ``serve`` extra each command imports (pip names differ: prometheus-client)
-NEEDS = {
-    "serve": ("fastapi", "pydantic", "uvicorn", "prometheus_client"),
-    "bench": ("httpx",),
-}
+NEEDS = {"serve": ("fastapi", "pydantic", "uvicorn", "prometheus_client")}
 
 
 def add_commands(sub) -> None:
-    """Add ``serve`` and ``bench`` to the CLI's subparsers; each sets ``args.run_command(args) -> int``."""
+    """Add ``serve`` to the CLI's subparsers; it sets ``args.run_command(args) -> int``."""
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
     s.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"name or local folder (default {DEFAULT_MODEL})")
     _add_multi_model_args(s)
@@ -58,52 +55,6 @@ def add_commands(sub) -> None:
     _add_reliability_flags(s)
     s.add_argument("--debug", action="store_true")
     s.set_defaults(run_command=_serve)
-    _add_bench_command(sub)
-
-
-def _add_bench_command(sub) -> None:
-    """``minillm bench``: load-test an OpenAI-compatible server, or switch between models (``--models``)."""
-    b = sub.add_parser("bench", help="load-test an OpenAI-compatible server (minillm, vLLM, llama.cpp)")
-    b.add_argument(
-        "--models",
-        default=None,
-        metavar="A,B",
-        help="switching bench (bench_switch.py): requests one at a time over these models, in --pattern order",
-    )
-    b.add_argument(
-        "--pattern",
-        default="alternate,sticky",
-        help="with --models: alternate (every request switches), sticky (one block per model), or both "
-        "(default: %(default)s)",
-    )
-    b.add_argument(
-        "--url", default="http://127.0.0.1:8000", help="the server's base URL, without /v1 (default: %(default)s)"
-    )
-    b.add_argument("--model", default=DEFAULT_MODEL, help="the model name the server expects (default: %(default)s)")
-    b.add_argument(
-        "--concurrency", default="1,2,4,8", help="comma-separated client counts, one level each (default: %(default)s)"
-    )
-    b.add_argument(
-        "--requests", type=int, default=16, metavar="N", help="requests per concurrency level (default: %(default)s)"
-    )
-    b.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=64,
-        metavar="P",
-        help="prompt length, about P tokens (default: %(default)s)",
-    )
-    b.add_argument(
-        "--max-tokens", type=int, default=32, metavar="T", help="max_tokens of each request (default: %(default)s)"
-    )
-    b.add_argument(
-        "--json", default=None, metavar="PATH", help="write the results here (default: bench-results/bench-<time>.json)"
-    )
-    b.add_argument(
-        "--timeout", type=float, default=300.0, metavar="S", help="HTTP timeout per request, s (default: %(default)s)"
-    )
-    b.add_argument("--debug", action="store_true", help="show tracebacks")
-    b.set_defaults(run_command=_bench)
 
 
 def _add_engine_args(s) -> None:
@@ -218,13 +169,13 @@ def _add_reliability_flags(s) -> None:
     )
 
 
-def require_extra(command: str) -> None:
-    """Import the packages ``minillm <command>`` needs, before any work.
+def require_extra(command: str, modules: tuple[str, ...] | None = None) -> None:
+    """Import the packages ``minillm <command>`` needs (``modules``, default ``NEEDS[command]``), before any work.
 
     Raises:
         MissingExtraError: one is not installed; the message names the ``serve`` extra to install.
     """
-    for module in NEEDS[command]:
+    for module in NEEDS[command] if modules is None else modules:
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -297,14 +248,3 @@ def _serve(args: argparse.Namespace) -> int:
     from .server import run_server
 
     return run_server(args)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    require_extra("bench")
-    if args.models:  # switching between models (bench_switch.py)
-        from .bench_switch import run_switch_command
-
-        return run_switch_command(args)
-    from .bench import run_bench_command
-
-    return run_bench_command(args)

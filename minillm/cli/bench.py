@@ -44,7 +44,7 @@ FIXED_TEXT = (
 )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestRecord:
     """One request as the client saw it (seconds, tokens)."""
 
@@ -118,7 +118,7 @@ async def one_request(http, url: str, model: str, prompt: str, max_tokens: int) 
         async with http.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
-                return RequestRecord(False, r.status_code, error=text[:300])
+                return RequestRecord(ok=False, status=r.status_code, error=text[:300])
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -128,12 +128,12 @@ async def one_request(http, url: str, model: str, prompt: str, max_tokens: int) 
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except Exception as exc:  # noqa: BLE001 - a failed request is a result to report, not a crash
-        return RequestRecord(False, 0, error=f"{type(exc).__name__}: {exc}")
+        return RequestRecord(ok=False, status=0, error=f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
     n_out = usage["completion_tokens"] if usage else len(stamps)
     rec = RequestRecord(
-        True,
-        200,
+        ok=True,
+        status=200,
         e2e_s=end - t0,
         prompt_tokens=usage["prompt_tokens"] if usage else None,
         completion_tokens=n_out,

@@ -15,7 +15,7 @@ import argparse
 import asyncio
 import time
 
-from .bench import calibrate_words, make_prompt, one_request, percentiles, save_results
+from minillm.cli.bench import calibrate_words, make_prompt, one_request, percentiles, save_results
 
 PATTERNS = ("alternate", "sticky")
 
