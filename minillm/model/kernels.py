@@ -1,27 +1,37 @@
-"""The seam between the textbook and the engine room: the few operations that have tuned forms.
+"""The seam between the textbook and the engine room, crossed at two moments.
 
-``Transformer`` (``transformer.py``) holds a :class:`Kernels` object and calls it for exactly three
-things; everything else in a forward pass is written out on the page:
+    kernels.prepare(weights)                  once, at load: the kernels this model's matrices use
+                                              (the plain ones choose nothing; the tuned ones decide
+                                              per matrix, gpt-fast's swap at load)
+    kernels.begin(config, tables, chunks)     once per forward pass: a pass (``passes.py``) that knows
+                                              its rows, caches and capture, and offers
+                                              ``linear(x, w, b)`` and ``attend(i, qkv, ...)``
+
+Per call, nothing crosses but arrays and held matrices: the layers of ``transformer.py`` ask the
+pass for ``x @ w.T`` and for a layer's attention. The two operations a pass is built on are the
+kernels' own, here in their most direct NumPy form (the lessons read these):
 
     kernels.linear(x, w, b)              a projection: x @ w.T (+ b)
     kernels.attention(q, k, v, mask, s)  one sequence's attention: softmax(q k.T * s + mask) v
-    kernels.batch_attention(...)         a batch's attention: every sequence over its own keys
 
-This class is the plain form, the one the lessons read: each is one NumPy expression or the
-one-sequence path called per sequence. The engine room (``minillm/kernels/``, ``TunedKernels``)
-overrides the same methods with faster formulations of the same sums: few-rows products, the
-transposed product, attention in causal chunks, a batch's decode rows attended together over the
-paged pool. The textbook never imports the engine room; ``minillm.load(name, kernels=...)``
-chooses which object the model holds.
+The engine room (``minillm/kernels/``, ``TunedKernels``) overrides them, and its pass, with faster
+formulations of the same sums: few-rows products for a batch, the transposed product for a prefill
+of the matrices it chose at load, attention in causal chunks, a batch's decode rows attended
+together over the paged pool. The textbook never imports the engine room;
+``minillm.load(name, kernels=...)`` chooses which object the model holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from minillm.model import primitives
-from minillm.model.batch import Attend, BatchAttention
+from minillm.model.config import ModelConfig
 from minillm.model.held import HeldMatrix
+from minillm.model.passes import ForwardPass
+from minillm.model.positions import PositionTables
 
 
 class Kernels:
@@ -32,16 +42,30 @@ class Kernels:
     #: Where its code lives (the trace's load section shows it).
     source = "minillm/model"
 
-    def linear(
-        self, x: np.ndarray, w: HeldMatrix, b: np.ndarray | None = None, *, projection: str | None = None, batched=False
-    ) -> np.ndarray:
+    def prepare(self, weights) -> Kernels:
+        """The kernels a model holding ``weights`` (``weights.Weights``) uses, decided once at load.
+        The plain kernels choose nothing: themselves."""
+        return self
+
+    def begin(
+        self,
+        config: ModelConfig,
+        tables: PositionTables,
+        chunks: Sequence[tuple[np.ndarray, object]],
+        *,
+        batch: bool = False,
+        capture: dict | None = None,
+    ) -> ForwardPass:
+        """A forward pass over ``chunks`` (``(positions [seq_j] int, cache or None)`` per sequence, rows
+        in that order): :class:`~minillm.model.passes.ForwardPass`. ``batch``: the rows are a batch's
+        (``Transformer.forward_batch``); ``capture``: a dict for intermediates, or None."""
+        return ForwardPass(self, config, tables, chunks, batch=batch, capture=capture)
+
+    def linear(self, x: np.ndarray, w: HeldMatrix, b: np.ndarray | None = None) -> np.ndarray:
         """``x @ w.T (+ b)``: ``x`` float32 ``[rows, in]``, ``w`` ``[out, in]`` -> ``[rows, out]`` float32.
 
         ``w`` is a held matrix (``held.py``): float32 (``x @ w.T`` on the page), a compact format (its
-        own chunked product), or a memory-mapped projection's parts (one product each, side by side). ``projection``
-        (``"qkv"``, ``"o"``, ``"gate_up"``, ``"up"``, ``"down"``, ``"lm_head"``) and ``batched``
-        (the rows are several sequences') tell a tuned form which product this is; the plain one
-        ignores them.
+        own chunked product), or a memory-mapped projection's parts (one product each, side by side).
         """
         y = w.linear(x)  # [rows, in] @ [in, out] -> [rows, out], however w is held
         if b is not None:
@@ -54,12 +78,6 @@ class Kernels:
         ``[seq, ctx]`` additive)."""
         z, _ = primitives.attention(q, k, v, mask, scale)
         return z
-
-    def batch_attention(self, model, sequences: list[Attend], caches: list, bounds: np.ndarray) -> Attend:
-        """Attention for a batch: sequence ``j`` owns rows ``bounds[j]:bounds[j+1]`` and is attended
-        by ``sequences[j]`` (a ``transformer.SequenceAttention`` over ``caches[j]``), exactly as
-        ``Transformer.forward`` attends it alone. ``model`` (the ``Transformer``) is for tuned forms."""
-        return BatchAttention(model.config.q_dim, sequences, bounds)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}: {self.source})"

@@ -2,7 +2,7 @@
 
 Activations are ``[seq, d_model]`` and attention tensors ``[n_heads, seq, head_dim]``. A batch of
 requests adds no axis to the projections: ``Transformer.forward_batch`` stacks every sequence's rows
-on ``seq``. Attention alone takes a leading batch axis, in the batched decode step
+on ``seq`` (a pass's rows: ``passes.py``). Attention alone takes a leading batch axis, in the batched decode step
 (:func:`attention`'s ``[B, n_heads, seq, head_dim]``: one decode row each for ``B`` sequences).
 Letters: ``seq`` = positions in this call, ``ctx`` = positions in the cache (past + this call),
 ``vocab``, ``d_model``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``B`` = sequences.
@@ -225,6 +225,40 @@ def attention(
     pattern = softmax(scores, axis=-1, out=scores)
     z = pattern.reshape(*lead, n_kv_heads, group * seq, ctx) @ v  # [..., n_kv_heads, group*seq, head_dim]
     return z.reshape(*lead, n_heads, seq, head_dim), pattern
+
+
+def split_qkv(qkv: np.ndarray, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[np.ndarray, ...]:
+    """The fused projection's output ``[seq, q_dim + 2 kv_dim]`` -> ``q`` ``[n_heads, seq, head_dim]``,
+    ``k`` and ``v`` ``[n_kv_heads, seq, head_dim]``: heads side by side on the page, split into an axis
+    (views, no copy)."""
+    seq, q_dim, kv_dim = qkv.shape[0], n_heads * head_dim, n_kv_heads * head_dim
+    q, k, v = qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]  # views
+    q = q.reshape(seq, n_heads, head_dim).transpose(1, 0, 2)  # [n_heads, seq, head_dim]
+    k = k.reshape(seq, n_kv_heads, head_dim).transpose(1, 0, 2)  # [n_kv_heads, seq, head_dim]
+    v = v.reshape(seq, n_kv_heads, head_dim).transpose(1, 0, 2)  # [n_kv_heads, seq, head_dim]
+    return q, k, v
+
+
+def merge_heads(z: np.ndarray) -> np.ndarray:
+    """Attention's output ``[n_heads, seq, head_dim]`` -> ``[seq, n_heads * head_dim]``, heads side by side."""
+    n_heads, seq, head_dim = z.shape
+    return z.transpose(1, 0, 2).reshape(seq, n_heads * head_dim)
+
+
+def qk_norm_rope(q: np.ndarray, k: np.ndarray, q_norm, k_norm, eps: float, rope) -> tuple[np.ndarray, np.ndarray]:
+    """QK-norm, then RoPE, on queries and keys ``[..., heads, seq, head_dim]``.
+
+    ``q_norm``, ``k_norm``: ``[head_dim]`` weights of each head's :func:`rms_norm` (Qwen 3, Gemma 3), None
+    without QK-norm; ``rope``: (cos, sin) broadcasting to ``q`` and ``k``, None without RoPE (GPT-2).
+    """
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps)
+        k = rms_norm(k, k_norm, eps)
+    if rope is not None:
+        cos, sin = rope
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+    return q, k
 
 
 # --- projections, activations and MLPs ------------------------------------------------------------

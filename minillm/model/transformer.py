@@ -17,33 +17,32 @@ Read top to bottom: ``forward`` embeds the tokens and runs every ``decoder_layer
 
 ``prefill`` and ``decode_step`` (``runtime/steps.py``) both call ``forward``, feeding more or fewer
 positions from the cache's ``length`` (masks: the same rule with that offset). ``forward_batch``
-is the same pass (:meth:`Transformer.run`) over several sequences' chunks: rows stacked, attention
-per sequence (``batch.py``). Families differ only by ``ModelConfig`` flags (``families.py``); the
-math is ``primitives.py``. Products and attention go through the model's ``kernels``
-(``kernels.py``: plain NumPy here; ``minillm.load`` gives the engine room's tuned ones).
-LoRA adds its low-rank paths inside ``LayerWeights.project`` (``lora.py``); capture is a ``hook``
-the blocks call with TransformerLens names (embed, resid_pre, q, k, v, rot_q, rot_k, pattern, z,
-attn_out, resid_mid, mlp_out, resid_post). Reference: transformers' ``models/*/modeling_*.py``.
+is the same pass (:meth:`Transformer.run_pass`) over several sequences' chunks: rows stacked,
+attention per sequence; the head is its own call (:meth:`Transformer.compute_logits`). Families
+differ only by ``ModelConfig`` flags (``families.py``); the math is ``primitives.py``. The seam is
+crossed twice (``kernels.py``): ``kernels.prepare(weights)`` once at load, ``kernels.begin(...)``
+once per pass, which returns the pass (``passes.py``) whose ``linear`` and ``attend`` the layers
+call with arrays and matrices only (plain NumPy here; ``minillm.load`` gives the engine room's
+tuned kernels). LoRA adds its low-rank paths inside ``LayerWeights.project`` (``lora.py``);
+capture is the pass's ``record``, with TransformerLens names (embed, resid_pre, q, k, v, rot_q,
+rot_k, pattern, z, attn_out, resid_mid, mlp_out, resid_post). Reference: transformers' ``models/*/modeling_*.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from minillm.errors import InvalidRequestError
 from minillm.model import primitives
-from minillm.model.batch import Attend
 from minillm.model.config import ModelConfig
 from minillm.model.families import LayerType, MlpKind, NormKind, PositionKind
 from minillm.model.kernels import PLAIN, Kernels
 from minillm.model.kv_cache import KVCache
+from minillm.model.passes import ForwardPass
 from minillm.model.positions import PositionTables
 from minillm.model.weights import LayerWeights, Weights
-
-#: ``hook(**intermediates)``: called once per block with its named arrays (capture, lessons).
-Hook = Callable[..., None]
 
 
 class Transformer:
@@ -56,7 +55,7 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: Weights, kernels: Kernels = PLAIN):
         self.config = config
         self.weights = weights
-        self.kernels = kernels  # linear, attention, batch attention: plain here, tuned from minillm/kernels
+        self.kernels = kernels.prepare(weights)  # chosen once at load: plain here, tuned from minillm/kernels
         self.act = primitives.ACTIVATIONS[config.hidden_act]
         self.positions = PositionTables(config)  # RoPE angles and masks per layer type (positions.py)
         self.layer_types, self.inv_freq = self.positions.layer_types, self.positions.inv_freq
@@ -96,15 +95,16 @@ class Transformer:
         Returns:
             float32 logits ``[seq, vocab]`` (``[1, vocab]`` with ``last_only``).
 
-        One chunk of the pass :meth:`forward_batch` runs (:meth:`run`), with the kernels' one-sequence
-        forms (no batched products; attention through ``SequenceAttention``).
+        One sequence's pass (``kernels.begin``: its rows are one sequence's, attended by the
+        textbook's steps in ``passes.py``), then :meth:`compute_logits`.
 
         Raises:
             InvalidRequestError: no tokens.
             KVCacheFullError: the cache has no room for ``seq`` more positions.
             KVCacheMismatchError: the cache was built for another model.
         """
-        return self.run([(token_ids, cache)], batched=False, last_rows=[1] if last_only else None, capture=capture)
+        hidden, fwd = self.run_pass([(token_ids, cache)], [1] if last_only else None, capture=capture)
+        return self.compute_logits(hidden, fwd)
 
     def forward_batch(
         self,
@@ -112,7 +112,6 @@ class Transformer:
         *,
         all_logits: bool = False,
         last_rows: Sequence[int] | None = None,
-        logits: bool = True,
     ) -> np.ndarray:
         """Run several sequences in one pass: each ``(token_ids, cache)`` feeds ``token_ids`` at
         positions ``cache.length..`` of its own cache (a decode row is one id, a prefill chunk many).
@@ -121,7 +120,7 @@ class Transformer:
         projection reads its weights once for the whole batch (``[rows, d_model] @ W.T``); that is
         what batching buys, as the weights dominate a decode step's memory traffic. Attention alone
         runs per sequence, over that sequence's own cached keys and values with its own causal mask
-        (``kernels.batch_attention``): rows of different sequences never see each other. Each row gets
+        (the pass's ``attend``): rows of different sequences never see each other. Each row gets
         the same numbers as :meth:`forward` on that sequence alone, up to float32 rounding of the
         products (BLAS sums a matrix product in another order than a matrix-vector product).
 
@@ -131,11 +130,7 @@ class Transformer:
                 Each cache is written at ``cache.length..+seq_j`` and advanced by ``seq_j``.
             all_logits: return logits for every row (tests, lessons) instead of the last row of
                 each sequence (what sampling needs; saves the LM head's work on prefill rows).
-            last_rows: how many of each sequence's last rows get logits (default 1 each); speculative
-                decoding verifies ``k`` drafted tokens with the logits of a chunk's last ``k + 1`` rows.
-            logits: False: return those rows' residual stream ``[rows, d_model]`` before the final
-                norm, for :meth:`head` to score later, row by row (speculative verification scores a
-                row only when every draft before it was kept).
+            last_rows: how many of each sequence's last rows get logits (default 1 each).
 
         Returns:
             float32 logits ``[n_sequences, vocab]`` (the last row of each chunk), or
@@ -146,46 +141,46 @@ class Transformer:
             InvalidRequestError: no chunks, or a chunk without tokens.
             KVCacheFullError / KVCacheMismatchError: as :meth:`forward`, for any sequence.
         """
-        if not chunks:
-            raise InvalidRequestError("forward_batch got no sequences; pass at least one (token_ids, cache) pair.")
         if last_rows is None and not all_logits:
             last_rows = [1] * len(chunks)  # each sequence's last row: what sampling needs
-        return self.run(chunks, batched=True, last_rows=last_rows, logits=logits)
+        hidden, fwd = self.run_pass(chunks, last_rows, batch=True)
+        return self.compute_logits(hidden, fwd)
 
-    def run(
-        self, chunks, *, batched: bool, last_rows: Sequence[int] | None, capture=None, logits: bool = True
-    ) -> np.ndarray:
+    def hidden_batch(self, chunks: Sequence[tuple[np.ndarray, KVCache]]) -> np.ndarray:
+        """:meth:`forward_batch` without the head: every row's residual stream ``[rows, d_model]``
+        before the final norm, for :meth:`compute_logits` to score later, row by row (speculative
+        verification scores a row only when every draft before it was kept)."""
+        return self.run_pass(chunks, None, batch=True)[0]
+
+    def run_pass(self, chunks, last_rows: Sequence[int] | None, *, batch: bool = False, capture=None):
         """The one forward pass over ``chunks`` (``(token_ids [seq_j], cache or None)`` each): every
-        chunk's rows stacked into one ``[rows, d_model]`` residual stream, every layer, the head.
+        chunk's rows stacked into one ``[rows, d_model]`` residual stream, through every layer.
 
-        ``batched``: the rows are a batch's (the kernels may take their few-rows products, and
-        attention is ``kernels.batch_attention``); False: one sequence, attended by its own
-        :class:`SequenceAttention`. ``last_rows``: logits of each chunk's last ``last_rows[j]`` rows,
-        ``[sum(last_rows), vocab]``; None: every row, ``[rows, vocab]``. ``capture``: as :meth:`forward`.
-        ``logits`` False: those rows' residual stream ``[rows, d_model]``, the head not applied.
+        ``last_rows``: keep each chunk's last ``last_rows[j]`` rows, ``[sum(last_rows), d_model]``;
+        None: every row. ``batch``: the rows are a batch's (``forward_batch``). Returns those rows'
+        residual stream and the pass (:meth:`compute_logits` takes its products).
         """
-        ids, positions, sequences = self._chunks(chunks)
-        caches = [cache for _, cache in chunks]
-        bounds = np.cumsum([0] + [len(t) for t in ids])  # chunk j owns rows bounds[j]:bounds[j+1]
-        attend = self.kernels.batch_attention(self, sequences, caches, bounds) if batched else sequences[0]
-
+        if not chunks:
+            raise InvalidRequestError("a forward pass got no sequences; pass at least one (token_ids, cache) pair.")
+        ids, positions = self._chunks(chunks)
+        fwd = self.kernels.begin(
+            self.config, self.positions, [(p, c) for p, (_, c) in zip(positions, chunks, strict=True)],
+            batch=batch, capture=capture,
+        )  # fmt: skip
         x = self.embed(np.concatenate(ids), np.concatenate(positions))  # [rows, d_model]
-        if capture is not None:
-            capture["embed"] = x
+        fwd.record(None, embed=x)
         for i, layer in enumerate(self.weights.layers):
-            hook = None if capture is None else _recorder(capture, f"blocks.{i}.")
-            x = self.decoder_layer(i, x, layer, attend, hook, batched=batched)
-        for token_ids, cache in zip(ids, caches, strict=True):
-            if cache is not None:
-                cache.advance(len(token_ids))
+            x = self.decoder_layer(i, x, layer, fwd)
+        fwd.finish()
         if last_rows is not None:  # [sum(last_rows), d_model]: each chunk's last rows, in order
-            x = x[np.concatenate([np.arange(end - m, end) for end, m in zip(bounds[1:], last_rows, strict=True)])]
-        return self.head(x, batched=batched) if logits else x
+            ends = fwd.bounds[1:]
+            x = x[np.concatenate([np.arange(end - m, end) for end, m in zip(ends, last_rows, strict=True)])]
+        return x, fwd
 
-    def _chunks(self, chunks) -> tuple[list[np.ndarray], list[np.ndarray], list[SequenceAttention]]:
-        """Each chunk's ids ``[seq_j]`` int64, positions ``cache.length..+seq_j`` and attention; every
-        cache checked (the one room check of a forward pass)."""
-        ids, positions, sequences = [], [], []
+    def _chunks(self, chunks) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Each chunk's ids ``[seq_j]`` int64 and positions ``cache.length..+seq_j``; every cache
+        checked (the one room check of a forward pass)."""
+        ids, positions = [], []
         for j, (token_ids, cache) in enumerate(chunks):
             token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
             if len(token_ids) == 0:
@@ -197,8 +192,7 @@ class Transformer:
                 start = cache.length
             ids.append(token_ids)
             positions.append(np.arange(start, start + len(token_ids)))  # [seq_j]
-            sequences.append(SequenceAttention(self, positions[-1], cache))  # its RoPE angles, masks and cache
-        return ids, positions, sequences
+        return ids, positions
 
     # --- the pieces of a forward pass ---------------------------------------------------------------
     def embed(self, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -211,123 +205,54 @@ class Transformer:
             x = x + w.pos_embed[positions]
         return x
 
-    def head(self, x: np.ndarray, *, batched: bool = False) -> np.ndarray:
-        """The residual stream ``[seq, d_model]`` -> logits ``[seq, vocab]``: final norm, LM head, soft-cap."""
+    def compute_logits(self, hidden: np.ndarray, fwd: ForwardPass | None = None) -> np.ndarray:
+        """The residual stream ``[seq, d_model]`` -> logits ``[seq, vocab]``: final norm, LM head,
+        soft-cap. ``fwd``: the pass these rows came from (its products: a batch's), None: the
+        kernels' own product (rows scored one at a time)."""
         cfg, w = self.config, self.weights
-        x = self.norm(x, w.final_norm, w.final_norm_bias)
-        logits = self.kernels.linear(x, w.lm_head, projection="lm_head", batched=batched)  # [seq, vocab]
+        x = self.norm(hidden, w.final_norm, w.final_norm_bias)
+        logits = (self.kernels if fwd is None else fwd).linear(x, w.lm_head)  # [seq, vocab]
         if cfg.final_logit_softcapping is not None:
             logits = primitives.softcap(logits, cfg.final_logit_softcapping)
         return logits
 
-    def decoder_layer(
-        self, i, x, layer: LayerWeights, attend: Attend, hook: Hook | None = None, *, batched: bool = False
-    ) -> np.ndarray:
+    def decoder_layer(self, i, x, layer: LayerWeights, fwd: ForwardPass) -> np.ndarray:
         """Decoder block ``i``: ``x + attention(norm(x))``, then ``+ mlp(norm(.))``; ``x`` ``[seq, d_model]``
-        in, the same shape out. ``attend`` does the per-sequence part of attention (RoPE, the cache,
-        the mask): a :class:`SequenceAttention` for one sequence, ``kernels.batch_attention``'s for many.
-        ``batched``: the rows are a batch's (passed on to the kernels' products).
-        """
+        in, the same shape out. ``fwd`` is the pass (``passes.py``): its products and attention."""
         cfg = self.config
-        attn_out = self.attention_block(
-            i, self.norm(x, layer.attn_norm, layer.attn_norm_bias), layer, attend, hook, batched=batched
-        )  # [seq, d_model]
+        attn_out = self.attention_block(i, self.norm(x, layer.attn_norm, layer.attn_norm_bias), layer, fwd)
         if cfg.post_norms:  # Gemma: normalise what attention adds
             attn_out = self.norm(attn_out, layer.attn_post_norm)
         resid_mid = x + attn_out
         h = self.norm(resid_mid, layer.mlp_norm, layer.mlp_norm_bias)
-        mlp_out = self.mlp_block(h, layer, batched=batched)  # [seq, d_model]
+        mlp_out = self.mlp_block(h, layer, fwd)  # [seq, d_model]
         if cfg.post_norms:
             mlp_out = self.norm(mlp_out, layer.mlp_post_norm)
         resid_post = resid_mid + mlp_out
-        if hook is not None:
-            hook(resid_pre=x, attn_out=attn_out, resid_mid=resid_mid, mlp_out=mlp_out, resid_post=resid_post)
+        fwd.record(i, resid_pre=x, attn_out=attn_out, resid_mid=resid_mid, mlp_out=mlp_out, resid_post=resid_post)
         return resid_post
 
-    def attention_block(
-        self, i, h, layer: LayerWeights, attend: Attend, hook: Hook | None = None, *, batched: bool = False
-    ) -> np.ndarray:
+    def attention_block(self, i, h, layer: LayerWeights, fwd: ForwardPass) -> np.ndarray:
         """Self-attention over the normed ``h`` ``[seq, d_model]`` -> what it adds, ``[seq, d_model]``:
-        q, k, v from one fused projection (every row at once), ``attend`` per sequence, then the
-        output projection (every row at once)."""
-        qkv = layer.project("qkv", h, self.kernels, batched=batched)  # [seq, q_dim + 2 kv_dim]
-        z = attend(i, layer, qkv, hook)  # [seq, q_dim]
-        return layer.project("o", z, self.kernels, batched=batched)  # [seq, d_model]
+        q, k, v from one fused projection (every row at once), the pass's ``attend`` per sequence
+        (QK-norm, RoPE, the cache, the mask: ``passes.ForwardPass.attend_sequence``), then the output
+        projection (every row at once)."""
+        qkv = layer.project("qkv", h, fwd.linear)  # [seq, q_dim + 2 kv_dim]
+        z = fwd.attend(i, qkv, layer.q_norm, layer.k_norm)  # [seq, q_dim]
+        return layer.project("o", z, fwd.linear)  # [seq, d_model]
 
-    def attention(self, i, layer: LayerWeights, qkv, rope, mask, cache=None, hook: Hook | None = None) -> np.ndarray:
-        """One sequence's attention in layer ``i``: ``qkv`` ``[seq, q_dim + 2 kv_dim]`` -> ``z``
-        ``[seq, q_dim]`` (heads side by side). QK-norm and RoPE on q and k; this call's k and v
-        written to the cache, and attention over every filled position (Vaswani et al. 2017).
-        ``rope``: (cos, sin) ``[seq, head_dim]`` for this layer's type, None without RoPE;
-        ``mask``: ``[seq, ctx]`` additive; ``cache``: a KVCache written at layer ``i``.
-        """
-        cfg = self.config
-        seq = qkv.shape[0]
-        n_heads, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q, k, v = qkv[:, : cfg.q_dim], qkv[:, cfg.q_dim : -cfg.kv_dim], qkv[:, -cfg.kv_dim :]  # views
-        q = q.reshape(seq, n_heads, hd).transpose(1, 0, 2)  # [n_heads, seq, head_dim]
-        k = k.reshape(seq, n_kv, hd).transpose(1, 0, 2)  # [n_kv_heads, seq, head_dim]
-        v = v.reshape(seq, n_kv, hd).transpose(1, 0, 2)  # [n_kv_heads, seq, head_dim]
-        rot_q, rot_k = self.rotate(layer, q, k, rope)
-        # the cache keeps keys already rotated: a key's position never changes
-        keys, values = (rot_k, v) if cache is None else cache.write(i, rot_k, v)  # [n_kv_heads, ctx, head_dim]
-        if hook is None:
-            z = self.kernels.attention(rot_q, keys, values, mask, cfg.attn_scale)  # [n_heads, seq, head_dim]
-        else:  # capture: the probabilities too, which only the one-call form has
-            z, pattern = primitives.attention(rot_q, keys, values, mask, cfg.attn_scale)
-            named = {"q": q, "k": k, "v": v, "rot_q": rot_q, "rot_k": rot_k, "pattern": pattern, "z": z}
-            hook(**{"attn." + name: value for name, value in named.items()})
-        return z.transpose(1, 0, 2).reshape(seq, cfg.q_dim)  # [seq, n_heads * head_dim]
-
-    def rotate(self, layer: LayerWeights, q: np.ndarray, k: np.ndarray, rope) -> tuple[np.ndarray, np.ndarray]:
-        """QK-norm (Qwen 3, Gemma 3: each head's q and k to unit RMS) then RoPE on ``q``, ``k``
-        ``[..., heads, seq, head_dim]``; ``rope``: (cos, sin) broadcasting to them, None without RoPE."""
-        cfg = self.config
-        if cfg.qk_norm:
-            q = primitives.rms_norm(q, layer.q_norm, cfg.norm_eps)
-            k = primitives.rms_norm(k, layer.k_norm, cfg.norm_eps)
-        if rope is not None:
-            cos, sin = rope
-            q = primitives.apply_rope(q, cos, sin)
-            k = primitives.apply_rope(k, cos, sin)
-        return q, k
-
-    def mlp_block(self, h: np.ndarray, layer: LayerWeights, *, batched: bool = False) -> np.ndarray:
+    def mlp_block(self, h: np.ndarray, layer: LayerWeights, fwd: ForwardPass) -> np.ndarray:
         """The family's MLP on the normed ``h`` ``[seq, d_model]`` -> ``[seq, d_model]``.
 
         Gated (SwiGLU with SiLU, GeGLU with GELU; Shazeer 2020): ``down(act(gate(h)) * up(h))``.
         Plain (GPT-2): ``down(act(up(h)))``.
         """
         if self.config.mlp is MlpKind.GATED:
-            gate_up = layer.project("gate_up", h, self.kernels, batched=batched)  # [seq, 2 * ffn]: gate | up
+            gate_up = layer.project("gate_up", h, fwd.linear)  # [seq, 2 * ffn]: gate | up
             ffn = self.config.intermediate_size
             gate, up = gate_up[:, :ffn], gate_up[:, ffn:]  # each [seq, ffn], views
             act = self.act(gate)  # a fresh array: multiplied by up in place
             act *= up
-            return layer.project("down", act, self.kernels, batched=batched)
-        up = layer.project("up", h, self.kernels, batched=batched)
-        return layer.project("down", self.act(up), self.kernels, batched=batched)
-
-
-class SequenceAttention:
-    """The per-sequence part of attention for one forward pass: this sequence's RoPE angles and masks
-    (from its positions) and its KV cache. Called once per layer: ``attend(i, layer, qkv, hook) -> z``.
-    """
-
-    def __init__(self, model: Transformer, positions: np.ndarray, cache: KVCache | None):
-        self.model, self.cache = model, cache
-        self.rope = {t: model.rope(positions, t) for t in model.inv_freq}  # layer type -> (cos, sin) [seq, head_dim]
-        self.masks = model.masks(len(positions), int(positions[0]))  # layer type -> [seq, ctx]
-
-    def __call__(self, i: int, layer: LayerWeights, qkv: np.ndarray, hook: Hook | None = None) -> np.ndarray:
-        layer_type = self.model.layer_types[i]
-        return self.model.attention(i, layer, qkv, self.rope.get(layer_type), self.masks[layer_type], self.cache, hook)
-
-
-def _recorder(capture: dict[str, np.ndarray], prefix: str) -> Hook:
-    """A hook that stores each named intermediate in ``capture`` under ``prefix + name``."""
-
-    def record(**named: np.ndarray) -> None:
-        capture.update({prefix + name: value for name, value in named.items()})
-
-    return record
+            return layer.project("down", act, fwd.linear)
+        up = layer.project("up", h, fwd.linear)
+        return layer.project("down", self.act(up), fwd.linear)

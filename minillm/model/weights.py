@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -35,7 +36,7 @@ import numpy as np
 from minillm.model.config import ModelConfig
 from minillm.model.families import MlpKind, NormKind, PositionKind
 from minillm.model.held import HeldMatrix, hold
-from minillm.model.kernels import PLAIN, Kernels
+from minillm.model.kernels import PLAIN
 from minillm.model.tensor_reader import TensorReader, WeightBlock, read_tensors
 from minillm.sources.safetensors_file import weight_files
 
@@ -78,19 +79,19 @@ class LayerWeights:
             if f.name != "lora" and (a := getattr(self, f.name)) is not None:
                 yield a
 
-    def project(self, name: str, x: np.ndarray, kernels: Kernels = PLAIN, *, batched: bool = False) -> np.ndarray:
+    def project(self, name: str, x: np.ndarray, linear: Callable = PLAIN.linear) -> np.ndarray:
         """``x @ W.T (+ b)`` for projection ``name`` (``"qkv"``, ``"o"``, ``"gate_up"``, ``"up"``,
         ``"down"``): ``x`` ``[seq, in]`` -> ``[seq, out]``, plus the low-rank path of every active
         unmerged LoRA adapter on it (each a :class:`~minillm.model.lora.LoraDelta`, adding
         ``[seq, rows]`` to its own output rows).
 
-        The product is ``kernels.linear`` (``kernels.py``; the model's kernels, plain by default),
-        told the projection's name and whether the rows are a batch's (``batched``). However the
+        The product is ``linear(x, w, b)``: a forward pass's (``passes.py``: the model's kernels,
+        plain by default), handed the matrix and its bias, never the projection's name. However the
         matrix is held (``held.py``: float32, a compact format, a memory-mapped load's parts),
         ``linear`` takes it.
         """
         weight, bias = _PROJECTIONS[name]
-        y = kernels.linear(x, getattr(self, weight), getattr(self, bias), projection=name, batched=batched)
+        y = linear(x, getattr(self, weight), getattr(self, bias))
         if self.lora:  # unmerged adapters: each adds its path to its own rows
             for path in self.lora.get(weight, ()):
                 y[:, path.rows] += path(x)

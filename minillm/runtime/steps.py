@@ -132,7 +132,7 @@ class RowLogits:
             raise IndexError(f"row {i} of a verification of {len(self)} rows")
         i %= len(self)
         if i not in self.rows:
-            self.rows[i] = self.transformer.head(self.hidden[i : i + 1])[0]  # [vocab]: one matrix-vector product
+            self.rows[i] = self.transformer.compute_logits(self.hidden[i : i + 1])[0]  # [vocab]: one matrix-vector row
         return self.rows[i]
 
     @property
@@ -148,7 +148,7 @@ def verify_step(model: Model, token_id: int, drafted, cache: KVCache) -> RowLogi
         :class:`RowLogits`, ``k + 1`` rows of float32 logits ``[vocab]``: row ``i`` scores the token
         after the first ``i`` drafts, its LM head computed when it is first read.
 
-    The ``k + 1`` rows go through the layers' batched products (``forward_batch``: the kernels'
+    The ``k + 1`` rows go through the layers' batched products (``hidden_batch``: the kernels'
     few-rows forms); the head, one matrix-vector product per row read, costs only the rows the
     acceptance rule reaches.
 
@@ -156,7 +156,7 @@ def verify_step(model: Model, token_id: int, drafted, cache: KVCache) -> RowLogi
         KVCacheFullError: no room for ``k + 1`` more positions.
     """
     ids = np.array([token_id, *drafted], dtype=np.int64)
-    hidden = model.transformer.forward_batch([(ids, cache)], all_logits=True, logits=False)  # [k + 1, d_model]
+    hidden = model.transformer.hidden_batch([(ids, cache)])  # [k + 1, d_model]: no head yet
     return RowLogits(model.transformer, hidden)
 
 

@@ -8,6 +8,8 @@ batched pass; the prefill's ``left`` form only where ``PREFILL_LEFT`` names it.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -66,12 +68,16 @@ def test_linear_takes_the_plan_only_inside_a_batched_pass(monkeypatch):
     seen = []
     monkeypatch.setattr(products, "few_rows_product", lambda x, w: seen.append(x.shape[0]) or x @ w.T)
     x, w = np.ones((8, 4), np.float32), Float32Matrix(np.ones((3, 4), np.float32))
-    TUNED.linear(x, w)  # one sequence's forward: the plain product, as lesson 1 measured
-    TUNED.linear(x, w, batched=True)  # 8 rows in a batched pass: the plan
-    TUNED.linear(x[:1], w, batched=True)  # one row: a matrix-vector product either way
-    TUNED.linear(np.ones((65, 4), np.float32), w, batched=True)  # more than FEW_ROWS: the plain product
-    TUNED.linear(x, StackedMatrix([w, w]), batched=True)  # a memory-mapped projection's parts: each by the plan
-    TUNED.linear(x, Int8Matrix(w.dense), batched=True)  # a compact format: its own chunked product
+    no_rows = SimpleNamespace(layer_types=[], inv_freq={})  # position tables: a pass of products only
+    one_sequence = TUNED.begin(None, no_rows, [])
+    batch = TUNED.begin(None, no_rows, [], batch=True)
+    one_sequence.linear(x, w)  # one sequence's forward: the plain product, as lesson 1 measured
+    TUNED.linear(x, w)  # the kernels' own product: one sequence's
+    batch.linear(x, w)  # 8 rows in a batched pass: the plan
+    batch.linear(x[:1], w)  # one row: a matrix-vector product either way
+    batch.linear(np.ones((65, 4), np.float32), w)  # more than FEW_ROWS: the plain product
+    batch.linear(x, StackedMatrix([w, w]))  # a memory-mapped projection's parts: each by the plan
+    batch.linear(x, Int8Matrix(w.dense))  # a compact format: its own chunked product
     assert seen == [8, 8, 8]
 
 

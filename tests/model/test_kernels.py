@@ -11,6 +11,8 @@ load option's errors, the trace's row) need no model. Gemma 3: ``test_kernels_ge
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from helpers import batched_decode_logits
@@ -18,8 +20,8 @@ from helpers import batched_decode_logits
 import minillm
 from minillm.errors import InvalidRequestError
 from minillm.kernels import products
-from minillm.model.held import BFloat16Matrix, Float32Matrix, Int8Matrix, StackedMatrix
 from minillm.kernels.tuned import TUNED, TunedKernels
+from minillm.model.held import BFloat16Matrix, Float32Matrix, Int8Matrix, StackedMatrix
 from minillm.model.kernels import PLAIN, Kernels
 from minillm.model.paged_kv_cache import KVCachePool
 from minillm.model.transformer import Transformer
@@ -56,22 +58,31 @@ def test_plain_linear_is_x_w_t_for_every_holder():
     assert Float32Matrix(w).dense is w and Int8Matrix(w).dense is None and stacked.dense is None
 
 
-def test_tuned_takes_left_for_a_prefill_projection_the_plan_names(monkeypatch):
+def test_tuned_prepares_left_for_the_prefill_matrices_the_plan_names(monkeypatch):
+    """The tuned kernels decide per matrix at load (``prepare``): a prefill of a layer's ``w_gate_up``
+    takes ``left`` where ``PREFILL_LEFT`` lists it; per call only the matrix crosses, never a name."""
     seen = []
     monkeypatch.setitem(products.PREFILL_LEFT, products.blas_kernel(), frozenset({"gate_up"}))
     monkeypatch.setattr(products, "left", lambda x, w: seen.append(x.shape[0]) or (w @ x.T).T)
-    x, w = np.ones((65, 4), np.float32), Float32Matrix(np.ones((3, 4), np.float32))
-    TUNED.linear(x, w, projection="gate_up")  # a prefill's gate_up: left
-    TUNED.linear(x, w, projection="down")  # not named: plain
-    TUNED.linear(x[:64], w, projection="gate_up")  # 64 rows are few: never left
-    PLAIN.linear(x, w, projection="gate_up")  # the textbook ignores the name
+    x = np.ones((65, 4), np.float32)
+    gate_up, down = (Float32Matrix(np.ones((3, 4), np.float32)) for _ in range(2))
+    weights = SimpleNamespace(layers=[SimpleNamespace(w_gate_up=gate_up, w_down=down)])
+    tuned = TUNED.prepare(weights)
+    assert isinstance(tuned, TunedKernels) and list(tuned.left_in_prefill) == [id(gate_up)]
+    tuned.linear(x, gate_up)  # a prefill of the chosen matrix: left
+    tuned.linear(x, down)  # not chosen: plain
+    tuned.linear(x[:64], gate_up)  # 64 rows are few: never left
+    TUNED.linear(x, gate_up)  # the shared, unprepared kernels chose nothing
+    assert PLAIN.prepare(weights) is PLAIN  # the textbook chooses nothing
+    PLAIN.linear(x, gate_up)
     assert seen == [65]
 
 
 def test_the_tuned_kernels_are_the_plain_ones_overridden():
     assert isinstance(TUNED, Kernels) and isinstance(TUNED, TunedKernels)
-    assert (PLAIN.name, PLAIN.source, TUNED.name, TUNED.source) == ("plain", "minillm/model", "tuned", "minillm/kernels")
-    assert {"linear", "attention", "batch_attention"} <= set(vars(TunedKernels))
+    names = (PLAIN.name, PLAIN.source, TUNED.name, TUNED.source)
+    assert names == ("plain", "minillm/model", "tuned", "minillm/kernels")
+    assert {"prepare", "begin", "linear", "attention"} <= set(vars(TunedKernels))
 
 
 def test_a_tiny_model_plain_and_tuned_batches_agree(tiny_llama):
@@ -116,7 +127,7 @@ def test_the_pools_address_math_slots_tables_and_gather():
 @pytest.fixture(scope="module")
 def both(smollm2):
     """The session's SmolLM2 (tuned, minillm.load's default) and a plain Transformer on its weights."""
-    assert smollm2.transformer.kernels is TUNED
+    assert isinstance(smollm2.transformer.kernels, TunedKernels)  # TUNED, prepared for its weights
     return {"plain": Transformer(smollm2.config, smollm2.transformer.weights, PLAIN), "tuned": smollm2.transformer}
 
 
