@@ -13,8 +13,8 @@ For each model and ``weight_dtype`` (float32, bfloat16, int8, gguf):
   of 5 prompts, the first differing token and float32's own top-2 logit margin there;
 - the KV cache at float16 and int8 (weights float32): bytes per token and at full context, speed,
   the same quality columns;
-- llama.cpp (``llama-cpp-python``) on the same GGUF file: prefill and decode tokens/s with the same
-  thread count, its dequantization fused into its dot products.
+- llama.cpp (its server engine, prebuilt in the wheel ``xllamacpp``) on the same GGUF file: prefill and
+  decode tokens/s with the same thread count, its dequantization fused into its dot products.
 
 Results go to ``benchmarks/results/local/precision.json`` (untracked) unless ``--json`` says otherwise.
 BLAS runs on one thread (threadpoolctl), llama.cpp too (``n_threads=1``), so the numbers do not
@@ -220,44 +220,62 @@ def speed(model, decode_steps: int = 16, prompt_tokens: int = 128, kv_dtype: str
 
 
 def llama_cpp_speed(gguf_path, decode_steps: int = 16, prompt_tokens: int = 128, threads: int = 1) -> dict:
-    """llama.cpp's own prefill and decode tokens/s on a GGUF file (``llama-cpp-python``), measured as
-    :func:`speed` measures minillm: the evaluation text's first ``prompt_tokens`` tokens (llama.cpp's
-    tokenizer) in one ``eval``, then ``decode_steps`` one-token ``eval`` calls (1 / median).
+    """llama.cpp's own prefill and decode tokens/s on a GGUF file (its server engine, in process, from
+    the prebuilt wheel ``xllamacpp``), measured as :func:`speed` measures minillm: the evaluation
+    text's first ``prompt_tokens`` tokens (llama.cpp's tokenizer) in one batch, then
+    ``decode_steps`` steps of one token each on the cached prompt (1 / median). The times are
+    llama.cpp's own (each request's ``timings.prompt_ms``: its batch's evaluation, no HTTP or JSON).
 
     Its matrix products read the packed blocks directly (ggml's ``vec_dot_q4_1_q8_1`` and kin: the
     activations are quantized to 8 bits, and the dot product runs on the integers block by block),
-    so no float32 copy of a weight is ever written. ``threads``: its compute threads (batch too)."""
-    import llama_cpp
+    so no float32 copy of a weight is ever written. ``threads``: its compute threads (batch too).
+
+    Raises:
+        RuntimeError: a request evaluated another number of tokens than the step asked for (its
+            prompt cache was not reused as expected), so its time would not be a decode step's.
+    """
+    import urllib.request
+
+    import xllamacpp
 
     from minillm.observe.metrics import cpu_snapshot, others_cpu_share
 
-    llm = llama_cpp.Llama(
-        model_path=str(gguf_path),
-        n_ctx=prompt_tokens + decode_steps + 8,
-        n_batch=prompt_tokens,
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
+    params = xllamacpp.CommonParams()
+    params.model.path = str(gguf_path)
+    params.n_ctx = prompt_tokens + decode_steps + 8
+    params.n_batch = prompt_tokens
+    params.n_parallel = 1  # one slot: every request below extends the same cached sequence
+    params.cpuparams.n_threads = threads
+    params.cpuparams_batch.n_threads = threads
+    params.verbosity = -1  # its log goes to the process's stderr (a lesson's output otherwise)
+    server = xllamacpp.Server(params)
+    tokenize = urllib.request.Request(
+        server.listening_address + "/tokenize",
+        data=json.dumps({"content": EVAL_TEXT.read_text(encoding="utf-8")}).encode("utf-8"),
+        headers={"Content-Type": "application/json"},
     )
-    ids = llm.tokenize(EVAL_TEXT.read_text(encoding="utf-8").encode("utf-8"))[:prompt_tokens]
-    llm.eval(ids[:8])  # warm-up: its first call pays one-time costs, as minillm's does
-    llm.reset()
+    with urllib.request.urlopen(tokenize, timeout=60) as r:
+        ids = json.load(r)["tokens"][:prompt_tokens]
+
+    def evaluate(tokens: list[int], new: int, cache: bool = True) -> float:
+        """Seconds llama.cpp spent evaluating the ``new`` tokens at the end of ``tokens``."""
+        answer = server.handle_completions({"prompt": tokens, "max_tokens": 1, "temperature": 0, "cache_prompt": cache})
+        timings = answer["timings"]
+        if timings["prompt_n"] != new:
+            raise RuntimeError(f"llama.cpp evaluated {timings['prompt_n']} tokens, not {new}: {timings}")
+        return timings["prompt_ms"] / 1000
+
+    evaluate(ids[:8], 8, cache=False)  # warm-up: its first call pays one-time costs, as minillm's does
     before = cpu_snapshot()
-    t = time.perf_counter()
-    llm.eval(ids)
-    prefill_s = time.perf_counter() - t
-    steps = []
-    for i in range(decode_steps):
-        t = time.perf_counter()
-        llm.eval([ids[i]])  # one token, the cache reused: a decode step
-        steps.append(time.perf_counter() - t)
+    prefill_s = evaluate(ids, prompt_tokens, cache=False)
+    steps = [evaluate(ids + ids[: i + 1], 1) for i in range(decode_steps)]  # the cache reused: a decode step
     share = others_cpu_share(before, cpu_snapshot())
-    del llm
+    server = None  # its destructor stops the HTTP threads and frees the model
     return {
         "prefill_tokens_per_s": prompt_tokens / prefill_s,
         "decode_tokens_per_s": 1 / statistics.median(steps),
         "threads": threads,
-        "version": llama_cpp.__version__,
+        "version": xllamacpp.__version__,
         "others_cpu_share": share,
     }
 

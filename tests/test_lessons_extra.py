@@ -2,7 +2,7 @@
 
 Every code cell of notebooks/*.ipynb is parsed (ast; IPython's ``%`` and ``!`` lines dropped), and so
 is every ``benchmarks/<name>.py`` a lesson imports or runs (``-m benchmarks.<name>``), all its imports
-(a function's own too: ``llama_cpp`` is imported where it is used). Each third-party module is mapped
+(a function's own too: ``xllamacpp`` is imported where it is used). Each third-party module is mapped
 to its distribution (``importlib.metadata.packages_distributions``) and must be required by the
 ``lessons`` extra or by minillm itself; a lesson that starts ``minillm serve`` needs the ``serve``
 extra's packages in it too.
@@ -70,7 +70,7 @@ def test_the_lessons_extra_installs_every_module_the_lessons_import():
             modules |= imported_modules((ROOT / "benchmarks" / f"{bench}.py").read_text(), top_level_only=False)
         for module in modules - LOCAL - set(sys.stdlib_module_names):
             needs.setdefault(module, set()).add(name)
-    assert {"torch", "transformers", "openai", "httpx", "prometheus_client", "llama_cpp", "matplotlib"} <= set(needs)
+    assert {"torch", "transformers", "openai", "httpx", "prometheus_client", "xllamacpp", "matplotlib"} <= set(needs)
     unmet = {}
     for module, where in sorted(needs.items()):
         dists = {normalized(d) for d in distributions.get(module, [])}
@@ -89,5 +89,5 @@ def test_a_lesson_that_starts_minillm_serve_gets_the_serve_extra():
 def test_the_lessons_extra_pins_torch_exactly_and_runs_notebooks():
     lessons = requirements("lessons")
     assert str(lessons["torch"].specifier) == "==2.13.0"  # an open range pulls a multi-GB CUDA build
-    assert str(lessons["llama-cpp-python"].specifier) == str(requirements("test")["llama-cpp-python"].specifier)
+    assert str(lessons["xllamacpp"].specifier) == str(requirements("test")["xllamacpp"].specifier)
     assert {"nbclient", "ipykernel", "matplotlib", "transformers", "openai"} <= set(lessons)

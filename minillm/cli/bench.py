@@ -103,6 +103,8 @@ async def _probe(http, url: str, model: str, words: int):
 
 async def one_request(http, url: str, model: str, prompt: str, max_tokens: int) -> RequestRecord:
     """Send one streaming completion and time it at the client."""
+    import httpx
+
     body = {
         "model": model,
         "prompt": prompt,
@@ -114,21 +116,29 @@ async def one_request(http, url: str, model: str, prompt: str, max_tokens: int) 
     t0 = time.perf_counter()
     stamps: list[float] = []
     usage = None
-    try:
-        async with http.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                return RequestRecord(ok=False, status=r.status_code, error=text[:300])
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if any(c.get("text") for c in chunk.get("choices") or []):
-                    stamps.append(time.perf_counter())
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-    except Exception as exc:  # noqa: BLE001 - a failed request is a result to report, not a crash
-        return RequestRecord(ok=False, status=0, error=f"{type(exc).__name__}: {exc}")
+    for attempt in (1, 2):
+        answered = False
+        try:
+            async with http.stream("POST", url + "/v1/completions", json=body) as r:
+                answered = True
+                if r.status_code != 200:
+                    text = (await r.aread()).decode(errors="replace")
+                    return RequestRecord(ok=False, status=r.status_code, error=text[:300])
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if any(c.get("text") for c in chunk.get("choices") or []):
+                        stamps.append(time.perf_counter())
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+            break
+        except Exception as exc:  # noqa: BLE001 - a failed request is a result to report, not a crash
+            # A server may close a kept-alive connection after a streamed answer without saying so
+            # (llama.cpp's does): a request sent on it meets the close before any answer, unread.
+            # It is sent once more (the pool drops the closed connection), as the openai client retries.
+            if attempt == 2 or answered or not isinstance(exc, httpx.RemoteProtocolError):
+                return RequestRecord(ok=False, status=0, error=f"{type(exc).__name__}: {exc}")
     end = time.perf_counter()
     n_out = usage["completion_tokens"] if usage else len(stamps)
     rec = RequestRecord(

@@ -39,7 +39,7 @@ def kind_of(argv) -> str:
     name = Path(words[0]).name if words else ""
     if "ipykernel" in text:
         return "kernel"
-    if "llama_cpp.server" in text or "llama-server" in text:
+    if "llama_server.py" in text or "llama-server" in text:
         return "llama.cpp"
     if "minillm" in words[1:3] or name == "minillm" or ("-m" in words and "minillm" in words):
         return "server" if "serve" in words else "cli"
