@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minillm.errors import ConfigError
+from minillm.errors import ConfigError, InvalidRequestError
 from minillm.model.families import (
     FAMILY_FLAGS,
     FULL,
@@ -32,6 +32,12 @@ from minillm.model.families import (
     need,
 )
 from minillm.sources.json_file import read_json
+
+#: The dtypes a KV cache can hold its entries in, each under NumPy's name for it -> (bytes one value
+#: takes, bytes stored beside each position's values per head: int8's float32 scale). ``kv_cache.py``
+#: stores them; every KV size (:meth:`ModelConfig.kv_bytes_per_token`, the memory plan, ``minillm
+#: describe``'s table) is read from this one table.
+KV_DTYPES = {"float32": (4, 0), "float16": (2, 0), "int8": (1, 4)}
 
 
 @dataclass(frozen=True)
@@ -85,11 +91,6 @@ class ModelConfig:
 
     # --- derived sizes -------------------------------------------------------------------------
     @property
-    def num_key_value_groups(self) -> int:
-        """Query heads that share one key/value head (GQA); 1 is plain multi-head attention."""
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
     def q_dim(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -106,11 +107,21 @@ class ModelConfig:
         """``LayerType.FULL`` or ``LayerType.SLIDING`` for layer ``i``."""
         return self.layer_types[i] if self.layer_types else FULL
 
-    def kv_bytes_per_token(self, bytes_per_element: float = 4, scale_bytes: int = 0) -> int:
-        """KV-cache bytes one position costs in this model (see :func:`kv_bytes_per_token`)."""
-        return kv_bytes_per_token(
-            self.num_hidden_layers, self.num_key_value_heads, self.head_dim, bytes_per_element, scale_bytes
-        )
+    def kv_bytes_per_token(self, kv_dtype: str = "float32") -> int:
+        """Bytes one position costs in a KV cache of this model held at ``kv_dtype`` (:data:`KV_DTYPES`):
+        ``2 (k and v) * layers * kv_heads * (head_dim * bytes per value + scale bytes)``; int8 stores one
+        float32 scale per position and head beside its values.
+
+        Grouped-query attention (few kv heads) is what keeps it small: SmolLM2 stores 3 kv heads for
+        its 9 query heads.
+
+        Raises:
+            InvalidRequestError: ``kv_dtype`` is not in :data:`KV_DTYPES` (the message names the choices).
+        """
+        if kv_dtype not in KV_DTYPES:
+            raise InvalidRequestError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}.")
+        value_bytes, scale_bytes = KV_DTYPES[kv_dtype]
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * (self.head_dim * value_bytes + scale_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -237,16 +248,3 @@ def _shapes(raw: dict, family: str, source: str) -> tuple[int, int, int, int, in
             "grouped-query attention needs a whole number of query heads per kv head."
         )
     return hidden, n_heads, n_layers, n_kv, int(head_dim)
-
-
-def kv_bytes_per_token(
-    num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float, scale_bytes: int = 0
-) -> int:
-    """Bytes one position costs in a KV cache: ``2 (k and v) * layers * kv_heads * (head_dim * bytes +
-    scale_bytes)``; ``scale_bytes`` is what a quantized cache stores per position and head beside
-    its values (int8: one float32 scale, 4 bytes).
-
-    Grouped-query attention (few kv heads) is what keeps it small: SmolLM2 stores 3 kv heads for
-    its 9 query heads.
-    """
-    return int(2 * num_layers * num_kv_heads * (head_dim * bytes_per_element + scale_bytes))

@@ -23,10 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from minillm.errors import InvalidRequestError, KVCacheFullError, KVCacheMismatchError
-from minillm.model.config import ModelConfig, kv_bytes_per_token
-
-#: KVCache dtype -> the NumPy dtype its entries are stored in (int8 adds float32 scales).
-KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
+from minillm.model.config import KV_DTYPES, ModelConfig
 
 
 class CacheWindow:
@@ -64,8 +61,8 @@ class KVCache(CacheWindow):
         self.max_seq_len = max_seq_len
         shape = (num_layers, num_kv_heads, max_seq_len, head_dim)
         # np.zeros maps untouched pages lazily; nbytes is still what the cache reserves.
-        self.keys = np.zeros(shape, dtype=KV_DTYPES[dtype])
-        self.values = np.zeros(shape, dtype=KV_DTYPES[dtype])
+        self.keys = np.zeros(shape, dtype=dtype)  # KV_DTYPES' names are NumPy's
+        self.values = np.zeros(shape, dtype=dtype)
         # int8: one float32 scale per (layer, head, position), for keys and for values
         scales = shape[:3] if dtype == "int8" else (0, 0, 0)
         self.key_scales = np.zeros(scales, dtype=np.float32)  # [n_layers, n_kv_heads, max_seq_len]
@@ -96,9 +93,9 @@ class KVCache(CacheWindow):
     @property
     def bytes_per_token(self) -> int:
         """Bytes one position occupies across all layers, k and v: ``2 * L * kv_heads * head_dim * 4``
-        (float32); ``* 2`` (float16); ``2 * L * kv_heads * (head_dim + 4)`` (int8 + float32 scales)."""
-        scale_bytes = self.key_scales.itemsize if self.dtype == "int8" else 0
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.keys.itemsize, scale_bytes)
+        (float32); ``* 2`` (float16); ``2 * L * kv_heads * (head_dim + 4)`` (int8 + float32 scales):
+        what the arrays reserve, per position (``ModelConfig.kv_bytes_per_token`` says it from the config)."""
+        return self.nbytes // self.max_seq_len
 
     @property
     def nbytes(self) -> int:

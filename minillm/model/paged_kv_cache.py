@@ -41,7 +41,7 @@ from collections import OrderedDict
 import numpy as np
 
 from minillm.errors import InvalidRequestError, KVCacheFullError
-from minillm.model.config import ModelConfig, kv_bytes_per_token
+from minillm.model.config import ModelConfig
 from minillm.model.paged_sequence import PagedSequence
 
 MIB = 2**20
@@ -89,7 +89,7 @@ class KVCachePool:
                 message gives one block's size and the smallest ``kv_cache_mib`` that works).
         """
         check_block_size(block_size)
-        per_token = kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 4)
+        per_token = config.kv_bytes_per_token()  # the pool holds float32
         per_block = per_token * block_size
         if not (isinstance(kv_cache_mib, (int, float)) and kv_cache_mib > 0):
             raise InvalidRequestError(f"kv_cache_mib must be a positive number of MiB, got {kv_cache_mib!r}.")
@@ -105,8 +105,9 @@ class KVCachePool:
     # --- sizes -------------------------------------------------------------------------------------
     @property
     def bytes_per_token(self) -> int:
-        """``2 * n_layers * n_kv_heads * head_dim * 4``: one position, k and v, every layer."""
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.keys.itemsize)
+        """``2 * n_layers * n_kv_heads * head_dim * 4``: one position, k and v, every layer (what the
+        arrays reserve, per position)."""
+        return self.nbytes // (self.num_blocks * self.block_size)
 
     @property
     def bytes_per_block(self) -> int:

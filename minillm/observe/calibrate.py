@@ -129,7 +129,7 @@ class Machine:
 
 def fingerprint() -> dict:
     """What must match for cached rates to apply: CPU model, cores, memory, NumPy, BLAS, threads."""
-    from minillm.observe.metrics import blas_threads
+    from minillm.kernels.products import blas_threads
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -378,7 +378,7 @@ def model_sizes(model) -> dict[str, int]:
         "weight_bytes": w.nbytes,
         "layers": cfg.num_hidden_layers,
         "q_dim": cfg.q_dim,
-        "kv_bytes_per_token": cfg.kv_bytes_per_token(4),
+        "kv_bytes_per_token": cfg.kv_bytes_per_token(),
     }
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from minillm.kernels.products import blas_threads
 from minillm.observe import calibrate
 from minillm.observe.diagnosis import diagnose
-from minillm.observe.metrics import blas_threads, held_weight_table, kv_memory_table, weight_memory_table
+from minillm.observe.metrics import held_weight_table, kv_memory_table, weight_memory_table
 from minillm.observe.products_rate import products_s_per_byte
 
 

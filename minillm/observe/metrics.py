@@ -18,7 +18,7 @@ import time
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from minillm.model.config import ModelConfig
+from minillm.model.config import KV_DTYPES, ModelConfig
 
 #: bytes per parameter (or cache element) for the memory table of the next lesson.
 #: weight formats for the "what would it take" table, with gguf's own block sizes (GGML_QUANT_SIZES):
@@ -30,8 +30,6 @@ WEIGHT_FORMATS = {
     "Q4_1": GGMLQuantizationType.Q4_1,  # 4-bit values, a float16 scale and minimum per 32
     "Q4_K": GGMLQuantizationType.Q4_K,  # 4-bit values in super-blocks of 256, 6-bit sub-block scales
 }
-#: KV-cache dtypes minillm holds: (bytes per value, bytes stored beside each position and head)
-KV_DTYPES = {"float32": (4, 0), "float16": (2, 0), "int8+scale": (1, 4)}  # int8: a float32 scale per head
 
 
 def bits_per_weight(kind: GGMLQuantizationType) -> float:
@@ -88,11 +86,11 @@ def held_weight_table(formats: dict[str, tuple[int, int]]) -> dict[str, dict[str
 
 
 def kv_memory_table(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """KV-cache bytes ``(per token, at full context)`` in each of :data:`KV_DTYPES`, from the layout
+    """KV-cache bytes ``(per token, at full context)`` in each of ``config.KV_DTYPES``, from the layout
     ``KVCache`` uses (``config.kv_bytes_per_token``); full context multiplies by ``max_position_embeddings``."""
     table = {}
-    for name, (value_bytes, scale_bytes) in KV_DTYPES.items():
-        per_token = config.kv_bytes_per_token(value_bytes, scale_bytes)
+    for name in KV_DTYPES:
+        per_token = config.kv_bytes_per_token(name)
         table[name] = (per_token, per_token * config.max_position_embeddings)
     return table
 
@@ -116,10 +114,3 @@ def blas_summary() -> list[str]:
         for i in threadpool_info()
         if i.get("user_api") == "blas"
     ]
-
-
-def blas_threads() -> int | None:
-    """The most threads any loaded BLAS runs with now (threadpoolctl); None if none is loaded."""
-    from threadpoolctl import threadpool_info
-
-    return max((i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"), default=None)

@@ -8,8 +8,8 @@ So the decode expectation also reads the model's own float32 matrices, as a deco
 one token's ``[1, in]`` row through every projection and the LM head, nothing between them
 (``benchmarks/speed.py`` times the same pass as "products alone"). Measured once per loaded
 model and BLAS thread count (a few passes: a fraction of a second) and kept on the model: during
-a traced warm-up (``calibrate.prepare``, which ``minillm run`` and ``minillm serve`` reach before
-the model is called ready), else at the first diagnosed request.
+a traced warm-up (``describe_summary.prepare_expectations``, which ``minillm run`` and ``minillm
+serve`` reach before the model is called ready), else at the first diagnosed request.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
+from minillm.kernels.products import blas_threads
 from minillm.observe.calibrate import record_measurement
-from minillm.observe.metrics import blas_threads
 
 REPEATS = 3  # timed passes; the best counts (the closest to what the hardware gives)
 

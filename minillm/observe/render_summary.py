@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from minillm.model.config import KV_DTYPES
 from minillm.observe.metrics import WEIGHT_FORMATS, bits_per_weight, format_bytes
 from minillm.runtime.speculative import expected_tokens_per_pass, per_position_acceptance
 
@@ -81,8 +82,9 @@ def memory_table(m: dict) -> Table:
         k = ("", "", "")
         if i < len(kv):
             name, (per_token, full) = kv[i]
-            in_use = name.split("+")[0] == m.get("kv_dtype", "float32")  # "int8+scale" is KVCache's "int8"
-            k = (f"{name} *" if in_use else name, format_bytes(per_token), format_bytes(full))
+            label = f"{name}+scale" if KV_DTYPES[name][1] else name  # int8 stores a scale beside its values
+            in_use = name == m.get("kv_dtype", "float32")
+            k = (f"{label} *" if in_use else label, format_bytes(per_token), format_bytes(full))
         table.add_row(*w, *k)
     return table
 

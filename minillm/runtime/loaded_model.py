@@ -70,8 +70,3 @@ class Model:
                 "merge_adapters=False to switch adapters per request."
             )
         activate([by_name[n] for n in names], self.transformer.weights)
-
-    @property
-    def ready(self) -> bool:
-        """True once a warm-up or a first request has paid the one-time costs."""
-        return self.warmup_s is not None or self.requests_served > 0

@@ -5,7 +5,7 @@ ollama estimates a model's footprint before it loads it. minillm does the same o
 numbers that come from the model's ``config.json`` and the chosen precisions, never a guess::
 
     weights       every matrix at weight_dtype (held.py's formats), norms and biases float32
-    KV pool       num_blocks * block_size positions * kv_bytes_per_token (paged_kv_cache.py's formula)
+    KV pool       num_blocks * block_size positions * kv_bytes_per_token (``ModelConfig.kv_bytes_per_token``)
     activations   the largest batch step's intermediates: max_batched_tokens rows through one layer,
                   a full-context prefill chunk's scores, max_num_seqs decode rows' gathered keys, logits
     tokenizer     measured: what a subprocess holds once it read and used it, freed memory trimmed (cached)
@@ -34,7 +34,6 @@ from minillm.model.paged_kv_cache import blocks_for
 from minillm.runtime.overhead import measured_overhead, rss_bytes, trim_heap  # noqa: F401  (re-exported)
 
 MIB, GIB = 2**20, 2**30
-KV_DTYPES = {"float32": (4, 0), "float16": (2, 0), "int8": (1, 4)}  # bytes per element, scale bytes per head
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": MIB, "mib": MIB, "g": GIB, "gib": GIB, "kb": 10**3}
 _UNITS |= {"mb": 10**6, "gb": 10**9}
 
@@ -103,23 +102,6 @@ def weight_bytes(config: ModelConfig, weight_dtype: str = "float32") -> dict[str
     out: Counter = Counter({weight_dtype: matrices})
     out["float32"] += floats * 4
     return dict(out)
-
-
-def kv_pool_tokens(config: ModelConfig, pool_bytes: int, block_size: int = 16, kv_dtype: str = "float32") -> int:
-    """Positions a pool of ``pool_bytes`` holds: whole blocks of ``block_size`` (``KVCachePool.for_model``)."""
-    per_block = kv_bytes_per_token(config, kv_dtype) * block_size
-    return int(pool_bytes // per_block) * block_size
-
-
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: str = "float32") -> int:
-    """Bytes one position costs in the KV cache at ``kv_dtype`` (float32, float16, int8 + scales).
-
-    Raises:
-        InvalidRequestError: an unknown ``kv_dtype``.
-    """
-    if kv_dtype not in KV_DTYPES:
-        raise InvalidRequestError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}.")
-    return config.kv_bytes_per_token(*KV_DTYPES[kv_dtype])
 
 
 def activation_bytes(config: ModelConfig, *, max_batched_tokens: int, max_num_seqs: int, context: int) -> int:
@@ -253,7 +235,7 @@ def make_plan(
     """
     context = min(context or config.max_position_embeddings, config.max_position_embeddings)
     weights = dict(weights) if weights is not None else weight_bytes(config, weight_dtype)
-    per_token = kv_bytes_per_token(config, kv_dtype)
+    per_token = config.kv_bytes_per_token(kv_dtype)
     per_block = per_token * block_size
     act = activation_bytes(config, max_batched_tokens=max_batched_tokens, max_num_seqs=max_num_seqs, context=context)
     fixed = sum(weights.values()) + act + tokenizer + runtime
@@ -265,7 +247,17 @@ def make_plan(
     else:
         pool = max(0, (budget - fixed) // per_block * per_block)
     plan = MemoryPlan(
-        model, weight_dtype, kv_dtype, context, weights, pool, pool // per_token, per_token, act, tokenizer, runtime
+        model=model,
+        weight_dtype=weight_dtype,
+        kv_dtype=kv_dtype,
+        context=context,
+        weights=weights,
+        kv_tokens=pool // per_token,
+        kv_pool=pool,
+        kv_bytes_per_token=per_token,
+        activations=act,
+        tokenizer=tokenizer,
+        runtime=runtime,
     )
     plan.budget = budget
     if budget is not None and (fixed + one_request > budget or fixed + pool > budget):

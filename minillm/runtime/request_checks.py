@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 from minillm.errors import ContextWindowExceeded, InvalidRequestError
-from minillm.model.kv_cache import KV_DTYPES, KVCache
+from minillm.model.config import KV_DTYPES
+from minillm.model.kv_cache import KVCache
 
 
 def check_arguments(max_new_tokens, timeout_s) -> None:

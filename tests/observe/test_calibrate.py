@@ -98,7 +98,7 @@ def test_the_decode_expectation_streams_at_the_slower_of_the_machines_and_the_mo
 
 def test_the_models_products_rate_is_measured_once_per_thread_count_and_not_for_packed_weights(folder):
     import minillm
-    from minillm.observe.metrics import blas_threads
+    from minillm.kernels.products import blas_threads
     from minillm.observe.products_rate import products_s_per_byte
 
     model = minillm.load(folder, progress=False, warmup=False)

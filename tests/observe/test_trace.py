@@ -71,7 +71,7 @@ def test_memory_numbers_equal_the_formulas(traced):
     assert summary["kv_bytes"]["float32"] == (per_token_f32, per_token_f32 * 8192)
     # int8: one byte a value plus a float32 scale per position and kv head, as KVCache(dtype="int8") holds it
     per_token_int8 = 2 * 30 * 3 * (64 * 1 + 4)
-    assert summary["kv_bytes"]["int8+scale"] == (per_token_int8, per_token_int8 * 8192)
+    assert summary["kv_bytes"]["int8"] == (per_token_int8, per_token_int8 * 8192)
     assert minillm.KVCache.for_model(model.config, max_seq_len=4, dtype="int8").bytes_per_token == per_token_int8
     assert summary["kv_bytes_per_token"] == per_token_f32
     # Every position written but the last token's: prompt 5 + 6 new - 1.
