@@ -164,7 +164,7 @@ def run_request(args: argparse.Namespace, console: Console) -> int:
             max_seq_len=args.max_seq_len,
             result=results,
             kv_dtype=args.kv_dtype,
-            speculative=minillm.Speculative(args.speculative, args.num_speculative_tokens)
+            speculative=minillm.Speculative(draft=args.speculative, num_tokens=args.num_speculative_tokens)
             if args.speculative
             else None,
             constraint=constraint,

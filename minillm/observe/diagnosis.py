@@ -257,7 +257,8 @@ def diagnose(
         _shared_machine(fix, slow, others_cpu_share, load_others_cpu_share, cores),
         _earlier_requests(history),
     ]
-    return Diagnosis(phases, max(phases, key=phases.get), checks, [f for f in findings if f is not None])
+    found = [f for f in findings if f is not None]
+    return Diagnosis(phase_seconds=phases, dominant=max(phases, key=phases.get), checks=checks, findings=found)
 
 
 Finding = tuple[str, str, str]  # (what, symptom, where it points)

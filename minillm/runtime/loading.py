@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 
 from minillm.errors import InvalidRequestError
 from minillm.kernels.tuned import TUNED
@@ -87,82 +88,85 @@ def load(
         ConfigError, WeightsError, TokenizerError: while reading the folder.
         AdapterError: an adapter is missing files, unsupported, or does not fit the model.
     """
-    from minillm.sources.manifest import default_model_name
-
     chosen = kernels_named(kernels)
     set_blas_threads(threads)
     check_weight_dtype(weight_dtype, adapters=bool(adapters), merge_adapters=merge_adapters)
     check_mmap(mmap, weight_dtype, adapters=bool(adapters), merge_adapters=merge_adapters)
     t0 = time.perf_counter()
-    name = name_or_path if name_or_path is not None else default_model_name()
-    model, duration = _build_model(
-        name, chosen, t0, progress, weight_dtype, mmap, adapters or [], merge_adapters, threads
+    model = _build_model(
+        name_or_path,
+        chosen,
+        progress=progress,
+        weight_dtype=weight_dtype,
+        mmap=mmap,
+        adapters=adapters or [],
+        merge_adapters=merge_adapters,
+        threads=threads,
     )
     if tracer is not None:
-        tracer.on_event("load", t0, duration, model, {"seconds": model.load_seconds})
+        tracer.on_event("load", t0, model.load_s, model, {"seconds": model.load_seconds})
     if warmup:
         run_warmup(model, tracer=tracer)
     return model
 
 
-def _build_model(name, kernels: Kernels, t0: float, progress, weight_dtype, mmap, adapters, merge_adapters, threads):
-    """``(Model, seconds since t0)``: the model resolved, its weights read and held, its tokenizer and
-    its transformer built, each step's seconds in ``Model.load_seconds``."""
-    resolved = resolve_model(name, progress=progress)
-    t1 = time.perf_counter()
-    config, weights, loaded, weights_s = _read_weights(
-        name, resolved, weight_dtype, mmap, progress, adapters, merge_adapters
-    )
-    t3 = time.perf_counter()
-    tokenizer = Tokenizer.from_folder(resolved.path)
-    t4 = time.perf_counter()
-    transformer = Transformer(config, weights, kernels)
-    t5 = time.perf_counter()
-    seconds = _step_seconds(
-        resolved, t1 - t0, {"config + weights": weights_s[0], "tokenizer": t4 - t3, "allocate": t5 - t4}
-    )
-    if loaded:
-        seconds["adapters"] = weights_s[1]
-    model = Model(
-        resolved.name,
-        resolved.path,
-        config,
-        tokenizer,
-        transformer,
-        resolved,
-        seconds,
+@contextmanager
+def _timed(seconds: dict[str, float], step: str):
+    """Time the ``with`` body (``time.perf_counter``) and add its seconds to ``seconds[step]``."""
+    start = time.perf_counter()
+    yield
+    seconds[step] = seconds.get(step, 0.0) + time.perf_counter() - start
+
+
+def _build_model(name, kernels: Kernels, *, progress, weight_dtype, mmap, adapters, merge_adapters, threads) -> Model:
+    """The model resolved, its weights read, adapted and held, its tokenizer and its transformer built;
+    each step timed around its call, the seconds in ``Model.load_seconds`` (:func:`_step_seconds`).
+    ``name``: as :func:`load`'s ``name_or_path`` (None: the manifest's default)."""
+    from minillm.sources.manifest import default_model_name
+
+    seconds: dict[str, float] = {}
+    with _timed(seconds, "resolve"):
+        name = name if name is not None else default_model_name()
+        resolved = resolve_model(name, progress=progress)
+    with _timed(seconds, "config + weights"):
+        config = ModelConfig.from_folder(resolved.path)
+        if weight_dtype == "gguf":  # the GGUF's packed blocks, read directly
+            weights = load_gguf_weights(resolve_gguf(name, progress=progress), config)
+        else:
+            weights = load_weights(resolved.path, config, mmap=mmap)
+    with _timed(seconds, "adapters"):  # merged or kept apart, then the matrices held (adapters fold into float32)
+        loaded = _load_adapters(adapters, merge_adapters, config, weights, resolved)
+        if weight_dtype in ("bfloat16", "int8"):
+            with _timed(weights.seconds, "hold " + weight_dtype):
+                hold_weights(weights, weight_dtype)
+    with _timed(seconds, "tokenizer"):
+        tokenizer = Tokenizer.from_folder(resolved.path)
+    with _timed(seconds, "allocate"):
+        transformer = Transformer(config, weights, kernels)
+    return Model(
+        name=resolved.name,
+        config=config,
+        path=resolved.path,
+        tokenizer=tokenizer,
+        load_seconds=_step_seconds(resolved, seconds, adapters=bool(loaded)),
+        transformer=transformer,
+        resolved=resolved,
         adapters=loaded,
         threads=threads,
     )
-    return model, t5 - t0
 
 
-def _read_weights(
-    name, resolved: ResolvedModel, weight_dtype: str, mmap: bool, progress: bool, adapters, merge_adapters
-):
-    """``(config, weights, adapters loaded, (seconds of config + weights, seconds of adapters + holding))``:
-    the config, the weights read (a GGUF's packed blocks for ``"gguf"``), the adapters merged or
-    kept apart, then the matrices held at ``weight_dtype`` (after merging: adapters fold into float32 rows)."""
-    t1 = time.perf_counter()
-    config = ModelConfig.from_folder(resolved.path)
-    if weight_dtype == "gguf":
-        weights = load_gguf_weights(resolve_gguf(name, progress=progress), config)
-    else:
-        weights = load_weights(resolved.path, config, mmap=mmap)
-    t2 = time.perf_counter()
-    loaded = _load_adapters(adapters, merge_adapters, config, weights, resolved)
-    if weight_dtype in ("bfloat16", "int8"):
-        t = time.perf_counter()
-        hold_weights(weights, weight_dtype)
-        weights.seconds["hold " + weight_dtype] = time.perf_counter() - t
-    return config, weights, loaded, (t2 - t1, time.perf_counter() - t2)
-
-
-def _step_seconds(resolved: ResolvedModel, resolve_s: float, local: dict[str, float]) -> dict[str, float]:
-    """Seconds per load step: what resolving did (fetch / verify / extract / convert, when it ran),
-    then the ``local`` steps (reading the weights, laying them out, the tokenizer, allocating)."""
+def _step_seconds(resolved: ResolvedModel, seconds: dict[str, float], *, adapters: bool) -> dict[str, float]:
+    """Seconds per load step, in the order they are shown: what resolving did (fetch / verify / extract
+    / convert, when it ran; ``resolve`` is the rest of its time), then reading the config and weights,
+    the tokenizer, allocating, and, when adapters were loaded, the adapters with the holding."""
     fetch_steps = {k: v for k, v in resolved.seconds.items() if k not in ("total", "resolve")}
-    return {"resolve": max(0.0, resolve_s - sum(fetch_steps.values())), **fetch_steps, **local}
+    local = ("config + weights", "tokenizer", "allocate") + (("adapters",) if adapters else ())
+    return {
+        "resolve": max(0.0, seconds["resolve"] - sum(fetch_steps.values())),
+        **fetch_steps,
+        **{step: seconds[step] for step in local},
+    }
 
 
 def check_mmap(mmap: bool, weight_dtype: str, *, adapters: bool, merge_adapters: bool) -> None:

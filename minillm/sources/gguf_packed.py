@@ -92,7 +92,7 @@ def read_packed_tensors(gguf_path: str | os.PathLike) -> tuple[dict[str, PackedT
         else:
             data = np.array(t.data)
         shift = spec.norm_shift if t.name.endswith("norm.weight") else 0.0
-        out[hf_name] = PackedTensor(t.name, t.tensor_type.name, shape, data, shift)
+        out[hf_name] = PackedTensor(name=t.name, type_name=t.tensor_type.name, shape=shape, data=data, norm_shift=shift)
     del tensors, mm
     return out, arch
 

@@ -137,7 +137,11 @@ def _use_local_folder(path: Path, t0: float) -> ResolvedModel:
         )
     path, elapsed = path.resolve(), time.perf_counter() - t0
     return ResolvedModel(
-        path.name, path, "local", {"resolve": elapsed, "total": elapsed}, [f"local folder {path}, used in place"]
+        name=path.name,
+        path=path,
+        source="local",
+        seconds={"resolve": elapsed, "total": elapsed},
+        notes=[f"local folder {path}, used in place"],
     )
 
 
@@ -155,7 +159,7 @@ def _cached(final: Path) -> dict | None:
 def _from_cache(entry: ModelEntry, final: Path, marker: dict, seconds: dict, notes: list, t0: float) -> ResolvedModel:
     notes.append(f"cache {final} (fetched from {marker.get('origin', '?')})")
     seconds["resolve"] = seconds["total"] = time.perf_counter() - t0
-    return ResolvedModel(entry.name, final, "cache", seconds, notes)
+    return ResolvedModel(name=entry.name, path=final, source="cache", seconds=seconds, notes=notes)
 
 
 def _resolve_entry(entry: ModelEntry, models: Path, progress: bool, offline_only: bool, t0: float) -> ResolvedModel:
@@ -186,7 +190,7 @@ def _resolve_entry(entry: ModelEntry, models: Path, progress: bool, offline_only
     finally:
         lock.release()
     seconds["total"] = time.perf_counter() - t0
-    return ResolvedModel(entry.name, final, source, seconds, notes)
+    return ResolvedModel(name=entry.name, path=final, source=source, seconds=seconds, notes=notes)
 
 
 def _remove_stale(models: Path, name: str, notes: list) -> None:
