@@ -62,8 +62,8 @@ class TensorReader:
     """The tensors of one checkpoint, taken by key in minillm's layout.
 
     ``mmap``: every tensor is a read-only view of its file (one map per file), else a float32 copy.
-    ``used`` collects the names taken; ``reading_s`` the seconds spent reading bytes (from
-    ``reading_s`` given: the headers), each tensor's as it is taken.
+    ``used`` collects the names taken; ``reading_s`` the seconds spent reading bytes, each tensor's
+    as it is taken.
     """
 
     omits_tied_head = False  # a safetensors checkpoint with an untied config must carry its lm_head
@@ -75,14 +75,13 @@ class TensorReader:
         tensors: dict[str, StoredTensor],
         block: WeightBlock,
         mmap: bool,
-        reading_s: float = 0.0,
     ):
         self.folder, self.config, self.tensors, self.block, self.mmap = folder, config, tensors, block, mmap
         self.names = NAME_MAPS[config.family]
         self.prefix = OPTIONAL_PREFIX.get(config.family)
         self.used: set[str] = set()
         self.maps: dict = {}  # mmap: one map per file
-        self.reading_s = reading_s
+        self.reading_s = 0.0
 
     def find(self, key: str, i: int | None) -> str | None:
         """The file's name for ``key`` in layer ``i`` (with or without the family's optional prefix), or None."""

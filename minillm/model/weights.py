@@ -1,24 +1,28 @@
-"""Weights: safetensors files -> float32 NumPy arrays in one internal layout.
+"""Weights: a checkpoint's tensors -> one internal layout, :class:`Weights`.
 
-Every family's Hugging Face tensor names (``families.NAME_MAPS``) are mapped here onto the same
-:class:`Weights` layout, so ``transformer.py`` has one forward pass. Projections are stored like
+Every matrix is a held matrix (``held.py``: float32, or a compact format after :func:`hold_weights`
+or from a GGUF's packed blocks); norms and biases are float32 arrays. Every family's Hugging Face
+tensor names (``families.NAME_MAPS``) are mapped onto the same :class:`Weights` layout by one
+builder, :func:`read_parameters`, so ``transformer.py`` has one forward pass. Projections are stored like
 ``torch.nn.Linear`` stores them, ``[out, in]``, and the forward reads ``x @ W.T`` (PyTorch's
 ``F.linear``), so a minillm matrix compares with transformers' tensor directly. q/k/v (and gate/up)
 are stacked at load so each is one contiguous matrix multiply.
 
 Why ``[out, in]`` and not the textbook's ``[in, out]``: the files already hold it (nothing to
 transpose at load, and a tensor compares with transformers' directly), and in decode each output
-is a dot product over one contiguous row (``benchmarks/speed.py`` measures both).
+is a dot product over one contiguous row.
 
-Three layouts arrive on disk, and each is turned into ours once, here, never per token:
+Three layouts arrive on disk, and each is turned into ours once, at load, never per token (the
+reader does it as it takes each tensor: ``tensor_reader.TensorReader``, or ``gguf_weights.py``'s):
 
 - HF ``nn.Linear`` weights are ``[out, in]``: kept.
 - GPT-2's ``Conv1D`` weights are ``[in, out]``: transposed. Its ``c_attn`` already fuses q|k|v.
 - Gemma's RMSNorm weights ``w`` are applied as ``(1 + w)`` (``Gemma3RMSNorm``): the ``1`` is added
-  here, so ``primitives.rms_norm`` is the same function for every family.
+  at load, so ``primitives.rms_norm`` is the same function for every family.
 
 Stored dtypes: float32, float16 and bfloat16 (also float64), from one file or a sharded
 checkpoint; ``safetensors_file.py`` reads them with ``safetensors`` (bfloat16 widened to float32 exactly).
+A GGUF file (``load(..., weight_dtype="gguf")``) is read by ``gguf_weights.py`` into the same layout.
 Tensors a family does not need are left unread and listed in ``Weights.unused_tensors``.
 """
 
@@ -100,7 +104,7 @@ class LayerWeights:
     def projections(self):
         """Yield the block's matrices, the ones a token's matrix products stream through:
         ``w_qkv``, ``w_o``, ``w_gate_up`` (or GPT-2's ``w_up``), ``w_down`` (a memory-mapped
-        load's fused ones stacked from the file's matrices: their ``parts()`` list them)."""
+        load's fused ones a ``StackedMatrix`` of the file's matrices: their ``parts()`` list them)."""
         for a in (self.w_qkv, self.w_o, self.w_gate_up, self.w_up, self.w_down):
             if a is not None:
                 yield a
@@ -196,7 +200,8 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig, mmap: bool = Fa
     With ``mmap=True`` nothing is copied: every matrix is a read-only view of the file as it lays
     them out (llama.cpp's default), paged in by the kernel when the forward first touches it, so
     the first request pays the page-ins (a warm-up pays them before "ready"). The fused q|k|v and
-    gate|up become tuples of the file's separate matrices (:func:`parts`), one product each.
+    gate|up become a ``held.StackedMatrix`` of the file's separate matrices (its ``parts()``), one
+    product each.
     Only float32 files map: any other dtype would need a converted copy.
 
     Returns:
@@ -212,14 +217,14 @@ def load_weights(folder: str | os.PathLike, config: ModelConfig, mmap: bool = Fa
     t0 = time.perf_counter()
     files = weight_files(folder)
     tensors, counts, nbytes = read_tensors(files)
-    block = WeightBlock(0 if mmap else _block_size(config))
-    r = TensorReader(folder, config, tensors, block, mmap, reading_s=time.perf_counter() - t0)
+    headers_s = time.perf_counter() - t0
+    r = TensorReader(folder, config, tensors, WeightBlock(0 if mmap else _block_size(config)), mmap)
     parameters = read_parameters(r, config)
-    t2 = time.perf_counter()
+    reading_s = headers_s + r.reading_s  # the headers, then each tensor's bytes as it was taken
     return Weights(
         **parameters,
         unused_tensors=sorted(set(tensors) - r.used),
-        seconds={"map" if mmap else "read": r.reading_s, "convert": t2 - t0 - r.reading_s},
+        seconds={"map" if mmap else "read": reading_s, "convert": time.perf_counter() - t0 - reading_s},
         stored_dtypes=counts,
         stored_bytes=nbytes,
         files=files,

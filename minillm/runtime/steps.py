@@ -135,10 +135,6 @@ class RowLogits:
             self.rows[i] = self.transformer.compute_logits(self.hidden[i : i + 1])[0]  # [vocab]: one matrix-vector row
         return self.rows[i]
 
-    @property
-    def scored(self) -> int:
-        return len(self.rows)
-
 
 def verify_step(model: Model, token_id: int, drafted, cache: KVCache) -> RowLogits:
     """Feed ``token_id`` and the ``k`` drafted ids at ``cache.length..``, one forward pass (a short
