@@ -123,9 +123,7 @@ class TunedPass(ForwardPass):
             return super().attend(i, qkv, q_norm, k_norm)
         z = np.empty((qkv.shape[0], self.config.q_dim), dtype=np.float32)  # [rows, q_dim]
         z[self.decode.rows] = self.decode(i, qkv[self.decode.rows], q_norm, k_norm)
-        for j in self.alone:
-            a, b = self.bounds[j], self.bounds[j + 1]
-            z[a:b] = self.attend_sequence(j, i, qkv[a:b], q_norm, k_norm)
+        self.attend_alone(i, qkv, q_norm, k_norm, z)  # prefill chunks, contiguous caches
         return z
 
 

@@ -71,10 +71,14 @@ class ForwardPass:
         if len(self.caches) == 1:
             return self.attend_sequence(0, i, qkv, q_norm, k_norm)
         z = np.empty((qkv.shape[0], self.config.q_dim), dtype=np.float32)  # [rows, q_dim]
+        self.attend_alone(i, qkv, q_norm, k_norm, z)
+        return z
+
+    def attend_alone(self, i: int, qkv: np.ndarray, q_norm, k_norm, z: np.ndarray) -> None:
+        """Each sequence of :attr:`alone`'s rows of ``z`` ``[rows, q_dim]``, one sequence at a time."""
         for j in self.alone:
             a, b = self.bounds[j], self.bounds[j + 1]
             z[a:b] = self.attend_sequence(j, i, qkv[a:b], q_norm, k_norm)
-        return z
 
     def attend_sequence(self, j: int, i: int, qkv: np.ndarray, q_norm, k_norm) -> np.ndarray:
         """Sequence ``j``'s attention in layer ``i`` (Vaswani et al. 2017): ``qkv`` ``[seq, q_dim +
