@@ -26,29 +26,10 @@ from minillm.runtime.request import GenerationResult, Request
 from minillm.runtime.sampling import SamplingParams
 
 
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """The number of leading ids ``a`` and ``b`` have in common."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Turn(Request):
     """One turn of a :class:`Conversation`: a request on the conversation's cache that keeps the
-    positions it shares with the cached ids, and leaves what it wrote in the cache for the next turn."""
-
-    keeps_cache = True
-
-    def __init__(self, model: Model, prompt, params=None, *, cached_ids: list[int], **options):
-        self.cached_ids = list(cached_ids)  # the ids of the cache's positions 0.., before this turn
-        super().__init__(model, prompt, params, **options)
-
-    def reusable(self, cache: KVCache) -> int:
-        same = shared_prefix(self.cached_ids[: cache.length], self.prompt_ids.tolist())
-        return min(same, len(self.prompt_ids) - 1)  # feed one id at least: its logits choose the first new token
+    positions it shares with the cached ids (``cached_ids``, a constructor argument of every request),
+    and leaves what it wrote in the cache for the next turn."""
 
     @property
     def kept_ids(self) -> list[int]:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from minillm.errors import InvalidRequestError
 from minillm.model.paged_kv_cache import MIB, KVCachePool, blocks_for, check_block_size
-from minillm.runtime import steps
+from minillm.runtime import speculative_step, steps
 from minillm.runtime.loading import Model
 from minillm.runtime.request import GenerationResult, Request
 from minillm.runtime.request_checks import check_arguments
@@ -81,11 +81,11 @@ def run(request: Request, result: list | None = None) -> Iterator[str]:
                 yield from request.take(logits, t)  # the first new token: TTFT ends here
             while request.running():
                 t = time.perf_counter()
-                drafted, q = request.spec.propose() if request.spec is not None else ([], None)
+                proposal = speculative_step.propose(request)  # no drafter: no drafts
                 request.metrics.target_passes += 1
-                if drafted:  # verify k drafts in one pass over [last, d1 .. dk]: k + 1 rows of logits
-                    logits = verify_step(model, request.new_ids[-1], drafted, request.cache)
-                    yield from request.spec.settle(logits, drafted, q, t)
+                if proposal.ids:  # verify k drafts in one pass over [last, d1 .. dk]: k + 1 rows of logits
+                    logits = verify_step(model, request.new_ids[-1], proposal.ids, request.cache)
+                    yield from speculative_step.settle(request, logits, proposal, t)
                     continue
                 fed = request.pending()  # the last token; with a constraint, any run it forced after it
                 if len(fed) == 1:

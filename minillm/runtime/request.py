@@ -6,6 +6,7 @@ measurements. ``generate.stream`` drives it; it lives exactly as long as the req
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -26,6 +27,16 @@ from minillm.runtime.stopping import (
     validate_stop_token_ids,
 )
 from minillm.text.detokenize import IncrementalDetokenizer
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """The number of leading ids ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Request:
@@ -65,6 +76,12 @@ class Request:
         prepared: ``(text, ids, seconds)`` when the caller already rendered and tokenized this very
             prompt (the server does, to size the request): the text the model reads, its ids
             ``[seq]`` int64 and the seconds that took; the prompt is then not tokenized again.
+        new_cache: ``positions -> cache``, how the request makes its own cache when none is given;
+            default a contiguous :class:`KVCache` at ``kv_dtype`` (a batched request takes a sequence
+            of the shared paged pool, ``scheduler.BatchRequest``).
+        cached_ids: with ``cache``, the ids of its positions ``0..`` (a conversation's earlier turns):
+            the request keeps the prefix its prompt shares with them and leaves what it wrote in the
+            cache when it ends; None: the given cache is emptied before and after.
 
     Raises (on construction):
         InvalidRequestError: empty prompt, ``max_new_tokens <= 0``, an empty stop string or
@@ -113,6 +130,8 @@ class Request:
         constraint=None,
         speculative=None,
         prepared: tuple[str, np.ndarray, float] | None = None,
+        new_cache: Callable[[int], KVCache] | None = None,
+        cached_ids: list[int] | None = None,
     ):
         spec = Speculative.of(speculative)  # checked before any model work
         check_arguments(max_new_tokens, timeout_s)
@@ -135,7 +154,8 @@ class Request:
         self.metrics = RequestMetrics()
         chat = steps.is_chat(prompt, chat)
         self.prompt_ids = self._tokenize(prompt, chat, prepared)  # [seq] int64
-        self.cache = self._open_cache(cache, max_seq_len, max_new_tokens)
+        self.keeps_cache = cached_ids is not None  # a conversation's turn: what it wrote stays for the next
+        self.cache = self._open_cache(cache, max_seq_len, max_new_tokens, new_cache, cached_ids)
         self.reused = self.metrics.cached_prompt_tokens = self.cache.length  # prefill feeds the prompt ids past these
         self.window = self.cache.max_seq_len
         self.criteria = StopCriteria(
@@ -152,7 +172,8 @@ class Request:
         self.seen = list(self.prompt_ids)  # the repetition penalty's "seen" ids: prompt + new ids
         self.stop_reason: StopReason | None = None
         self.condition = None
-        self.spec = None if spec is None else SpeculativeDecoder(spec, model, self)
+        # speculative decoding's draft and adaptive k; the step between the two is speculative_step.py
+        self.drafter = None if spec is None else SpeculativeDecoder(spec, model, self.window)
         self.metrics.speculative_k = 0 if spec is None else spec.num_tokens
 
     def _tokenize(self, prompt: steps.Prompt, chat: bool, prepared) -> np.ndarray:
@@ -164,36 +185,30 @@ class Request:
         text, ids, self.metrics.tokenize_s = prepared
         self.metrics.prompt_tokens = len(ids)
         messages = prompt if isinstance(prompt, list) else ([{"role": "user", "content": prompt}] if chat else [])
-        self._emit("prepare", self.t0, 0.0, chat=chat, messages=messages, text=text)
-        self._emit("tokenize", self.t0, self.metrics.tokenize_s, ids=ids)
+        self.emit("prepare", self.t0, 0.0, chat=chat, messages=messages, text=text)
+        self.emit("tokenize", self.t0, self.metrics.tokenize_s, ids=ids)
         return ids
 
-    def _open_cache(self, cache: KVCache | None, max_seq_len: int | None, max_new_tokens: int) -> KVCache:
-        """The request's cache, after checking the prompt fits its window: a fresh one (``new_cache``),
-        or the given one emptied but for what :meth:`reusable` keeps. Raises ContextWindowExceeded."""
+    def _open_cache(self, cache, max_seq_len, max_new_tokens: int, new_cache, cached_ids) -> KVCache:
+        """The request's cache, after checking the prompt fits its window: a fresh one (``new_cache``), or
+        the given one emptied but for the prefix the prompt shares with ``cached_ids`` (a conversation's
+        earlier turns; at least one prompt id is fed, its logits choose the first new token). Raises
+        ContextWindowExceeded."""
         context, n_prompt = self.model.config.max_position_embeddings, len(self.prompt_ids)
         self.own_cache = cache is None
         window = cache.max_seq_len if cache is not None else min(max_seq_len or context, context)
         check_window(n_prompt, window, context, by_cache=cache is not None or window < context)
         if self.own_cache:
-            return self.new_cache(max_seq_len or min(context, n_prompt + max_new_tokens))
-        cache.truncate(self.reusable(cache))  # emptied, unless a conversation's turn keeps a prefix
+            positions = max_seq_len or min(context, n_prompt + max_new_tokens)
+            if new_cache is None:
+                return KVCache.for_model(self.model.config, positions, dtype=self.kv_dtype)
+            return new_cache(positions)
+        same = shared_prefix(cached_ids[: cache.length], self.prompt_ids.tolist()) if cached_ids else 0
+        cache.truncate(min(same, n_prompt - 1))  # emptied, unless a conversation's turn keeps a prefix
         return cache
 
-    #: True: a given cache keeps what this request wrote when it ends (a conversation's turn), not emptied
-    keeps_cache = False
-
-    def reusable(self, cache: KVCache) -> int:
-        """How many leading positions of a given cache this request keeps (its prompt's ids already
-        there): 0 here, the cache is emptied; a conversation's turn keeps the earlier turns."""
-        return 0
-
-    def new_cache(self, max_seq_len: int) -> KVCache:
-        """The request's own cache of ``max_seq_len`` positions: a contiguous :class:`KVCache` here;
-        a batched request takes a sequence of the shared paged pool instead (``scheduler.py``)."""
-        return KVCache.for_model(self.model.config, max_seq_len, dtype=self.kv_dtype)
-
-    def _emit(self, phase: str, start: float, duration: float, **facts) -> None:
+    def emit(self, phase: str, start: float, duration: float, **facts) -> None:
+        """Tell the listener (if any) of ``phase``: ``start`` perf_counter seconds, ``duration`` seconds."""
         if self.listener is not None:
             self.listener.on_event(phase, start, duration, self.model, facts)
 
@@ -216,14 +231,19 @@ class Request:
         else:  # the trace (and logprobs) show the distribution the token was drawn from
             token, probs = sampling.sample_with_probs(*args)
         now = time.perf_counter()
-        if not self.new_ids:
-            self.metrics.ttft_s = now - self.t0
-        else:
+        if self.new_ids:  # a decode step's token
             self.metrics.decode_step_s.append(now - step_t0)
-        yield from self.push(token, probs, step_t0, now=now, allowed=allowed)
+            yield from self.push(token, probs, step_t0, now=now, allowed=allowed)
+            return
+        self.metrics.ttft_s = now - self.t0  # the prefill's token: TTFT ends here
+        n = len(self.prompt_ids) - self.reused  # the ids prefill fed
+        delta, _ = self._add(token, probs, now, allowed)
+        facts = dict(tokens=n, offset=self.cache.length - n, cache_length=self.cache.length, probs=probs, token=token)
+        self.emit("prefill", step_t0, self.metrics.prefill_s, **facts)
+        yield from self._show(delta)
 
     def push(self, token: int, probs, step_t0: float, *, cache_length=None, step_s=None, now=None, allowed=None):
-        """Pass a chosen ``token`` through the stop chain (``take`` samples one; speculative decoding
+        """Pass a chosen ``token`` through the stop chain (``take`` samples one; ``speculative_step.settle``
         pushes an accepted run); yield the text it releases. ``cache_length``: the positions before it
         (default the cache's length); ``step_s``: its share of the step's time; ``allowed``: the
         constraint's mask the token was drawn under (None without a constraint)."""
@@ -231,41 +251,34 @@ class Request:
         if step_s is not None:
             self.metrics.decode_step_s.append(step_s)
         cache_length = self.cache.length if cache_length is None else cache_length
-        fed = self.seen[-1]  # the token this step fed in (the last prompt token for prefill)
+        fed = self.seen[-1]  # the token this step fed in
+        delta, forced = self._add(token, probs, now, allowed)
+        self.emit(
+            "decode",
+            step_t0,
+            now - step_t0 if step_s is None else step_s,
+            step=len(self.new_ids) - 1 - len(forced),
+            position=cache_length - 1,
+            input_token=fed,
+            token=token,
+            probs=probs,
+            cache_length=cache_length,
+            last=self.stop_reason is not None,
+            text=delta,
+        )
+        yield from self._show(delta)
+
+    def _add(self, token: int, probs, now: float, allowed) -> tuple[str, list[int]]:
+        """A chosen token, then any run the constraint forces after it, through :meth:`_append`: the text
+        released and the forced ids."""
         delta = self._append(token, probs)
         forced = self.constraint.advance(token) if self.constraint is not None and self.stop_reason is None else []
         if allowed is not None:
-            self._emit("mask", now, self.constraint.mask_s, allowed=allowed, token=token, forced=forced)
+            self.emit("mask", now, self.constraint.mask_s, allowed=allowed, token=token, forced=forced)
         for f in forced:  # the grammar's only way on: no sampling, probability 1
             if self.stop_reason is None:
                 delta += self._append(f, None)
-        if len(self.new_ids) - len(forced) == 1:
-            n = len(self.prompt_ids) - self.reused  # the ids prefill fed
-            self._emit(
-                "prefill",
-                step_t0,
-                self.metrics.prefill_s,
-                tokens=n,
-                offset=self.cache.length - n,
-                cache_length=self.cache.length,
-                probs=probs,
-                token=token,
-            )
-        else:
-            self._emit(
-                "decode",
-                step_t0,
-                now - step_t0 if step_s is None else step_s,
-                step=len(self.new_ids) - 1 - len(forced),
-                position=cache_length - 1,
-                input_token=fed,
-                token=token,
-                probs=probs,
-                cache_length=cache_length,
-                last=self.stop_reason is not None,
-                text=delta,
-            )
-        yield from self._show(delta)
+        return delta, forced
 
     def _append(self, token: int, probs: np.ndarray | None) -> str:
         """One new id through the logprobs, the stop criteria and the stop chain; the text it releases."""
@@ -292,23 +305,9 @@ class Request:
         """The ids not yet in the cache: the last sampled one, then any forced run (fed as one chunk)."""
         return self.seen[self.cache.length :]
 
-    def emit_verify(self, step_t0: float, **facts) -> None:
-        """Tell the listener of one speculative verification (``speculative.py``), with the rates so far."""
-        m = self.metrics
-        passes = max(m.target_passes, 1)
-        self._emit(
-            "verify",
-            step_t0,
-            time.perf_counter() - step_t0,
-            **facts,
-            drafted_so_far=m.drafted_tokens,
-            accepted_so_far=m.accepted_tokens,
-            tokens_per_pass=len(self.new_ids) / passes,
-        )
-
     def _show(self, delta: str):
         if delta:
-            self._emit("text", time.perf_counter(), 0.0, text=delta)
+            self.emit("text", time.perf_counter(), 0.0, text=delta)
             yield delta
 
     def flush(self):
@@ -334,8 +333,8 @@ class Request:
             self.cache.used_bytes,
             self.cache.nbytes,
         )
-        if self.spec is not None:
-            self.spec.release()
+        if self.drafter is not None:
+            self.drafter.release()
         if self.own_cache:
             self.cache.free()
         elif not self.keeps_cache:
@@ -354,7 +353,7 @@ class Request:
             self.condition = self.new_ids[-1]
         model = self.model
         now = time.perf_counter()
-        self._emit(
+        self.emit(
             "stop",
             now,
             0.0,
@@ -370,7 +369,7 @@ class Request:
             ends_inside_character=bool(getattr(self.output.detokenizer, "ends_inside_character", False)),
             cache="freed" if self.own_cache else "kept" if self.keeps_cache else "emptied",  # what release() did
         )
-        self._emit(
+        self.emit(
             "summary",
             now,
             self.metrics.total_s,
@@ -381,12 +380,12 @@ class Request:
         model.requests_served += 1
         model.history.append(self.metrics.rates())
         return GenerationResult(
-            self.output.text,
-            self.new_ids,
-            self.prompt_ids.tolist(),
-            reason,
-            self.metrics,
-            self.condition,
-            self.logprobs,
-            constraint_module.incomplete(self.constraint, reason, self.max_new_tokens),
+            text=self.output.text,
+            ids=self.new_ids,
+            prompt_ids=self.prompt_ids.tolist(),
+            stop_reason=reason,
+            metrics=self.metrics,
+            stop_condition=self.condition,
+            logprobs=self.logprobs,
+            incomplete=constraint_module.incomplete(self.constraint, reason, self.max_new_tokens),
         )

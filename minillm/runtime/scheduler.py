@@ -2,15 +2,18 @@
 
 A request is its tokens (prompt, then the ids it sampled) and a paged KV cache that holds the
 first ``seq.length`` of them. Prefill and decode are one rule: *feed the tokens not yet in the
-cache*; when every token is in, the last row's logits give the next token. Each step::
+cache*; when every token is in, the last row's logits give the next token. Each step is
+schedule -> execute -> apply (``plan.py``)::
 
-    schedule: running requests first (oldest first), each feeds min(tokens left, budget):
-                  a decode row is 1 token, a prompt is fed in chunks (chunked prefill);
+    schedule: a Plan (data): running requests first (oldest first), each feeds min(tokens left, budget):
+                  a decode row is 1 token (a speculative one 1 + its drafts), a prompt is fed in
+                  chunks (chunked prefill);
               a decode that needs a new block and finds none preempts the newest request
                   (its blocks go back to the pool; it waits at the front and is recomputed later);
               then waiting requests join while the token budget and free blocks allow
-    forward:  every fed token of every request, one [rows, d_model] matrix per projection
-    sample:   requests whose tokens are all in the cache take a token; finished ones leave
+    execute:  every fed token of every request, one [rows, d_model] matrix per projection
+    apply:    requests whose tokens are all in the cache take a token (or settle their drafts);
+              finished ones leave
 
 ``max_batched_tokens`` caps the rows per step, so a long prompt cannot stall running decodes for
 more than a step's worth of work. Admission reserves blocks for a request's known tokens (prefix
@@ -30,7 +33,10 @@ from minillm.errors import InvalidRequestError, KVCachePoolTooSmall
 from minillm.model.paged_kv_cache import KVCachePool, PagedSequence
 from minillm.runtime.kv_identity import kv_identity
 from minillm.runtime.loading import Model
+from minillm.runtime.plan import Plan, Row, apply, execute
 from minillm.runtime.request import GenerationResult, Request
+from minillm.runtime.speculative import Proposal
+from minillm.runtime.speculative_step import NO_DRAFTS, propose
 
 
 class BatchRequest(Request):
@@ -50,8 +56,8 @@ class BatchRequest(Request):
                 "use kv_dtype='float32' (or none) here, or generate/stream, whose one-request KVCache holds "
                 "float32, float16 or int8."
             )
+        super().__init__(model, prompt, params, new_cache=lambda positions: PagedSequence(pool, positions), **options)
         self.pool, self.index = pool, index
-        super().__init__(model, prompt, params, **options)
         self.seq: PagedSequence = self.cache
         self.deltas: list[str] = []
         self.result: GenerationResult | None = None
@@ -60,10 +66,6 @@ class BatchRequest(Request):
         # the others keep their pace. Its measured step times never include the wait.
         self.step_delay_s = step_delay_s
         self.hold_until = 0.0  # time.perf_counter() seconds
-        self.drafted: tuple[list[int], object] = ([], None)  # this step's draft ids and q (speculative)
-
-    def new_cache(self, max_seq_len: int) -> PagedSequence:
-        return PagedSequence(self.pool, max_seq_len)
 
     @property
     def positions_needed(self) -> int:
@@ -130,34 +132,33 @@ class Scheduler:
         return max(0.0, min(r.hold_until for r in self.running) - time.perf_counter())
 
     # --- who runs this step ----------------------------------------------------------------------
-    def schedule(self) -> tuple[list[tuple[BatchRequest, int]], list[BatchRequest], list[BatchRequest]]:
-        """Pick this step's rows: ``[(request, tokens to feed)]``, plus who was admitted and preempted.
-        Running requests that sit this step out for slow motion are kept in ``self.held``."""
-        budget, rows, admitted, preempted = self.max_batched_tokens, [], [], []
-        self.held = []
-        now = time.perf_counter()
+    def schedule(self) -> Plan:
+        """Plan this step (:class:`~minillm.runtime.plan.Plan`): each row's tokens, who was admitted and
+        preempted, and the running requests that sit this step out for slow motion (``held``)."""
+        plan, budget, now = Plan(), self.max_batched_tokens, time.perf_counter()
         for request in list(self.running):  # oldest first
             if request not in self.running:  # preempted earlier in this loop
                 continue
             if request.hold_until > now:  # slow motion: it sits this step out, keeping its blocks
-                self.held.append(request)
+                plan.held.append(request)
                 continue
             if budget == 0:
                 continue
             n = min(len(request.seen) - request.seq.length, budget)
-            n += self._draft(request, n, budget)
+            draft = self._draft(request, n, budget)
+            n += len(draft.ids)
             while not self.pool.can_grow(request.seq, n):  # a decode needs a block and none is free
                 victim = self.running[-1]  # the newest request gives its blocks back
                 self._preempt(victim)
-                preempted.append(victim)
+                plan.preempted.append(victim)
                 if victim is request:
                     break
             else:
                 self.pool.grow(request.seq, n)
-                rows.append((request, n))
+                plan.rows.append(_row(request, n, draft))
                 budget -= n
         identity = None
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not plan.preempted:
             request = self.waiting[0]
             if identity is None:  # what the keys it computes now depend on besides its ids
                 identity = kv_identity(self.model, self.pool.keys.dtype.name)
@@ -170,22 +171,20 @@ class Scheduler:
                 request.metrics.cached_prompt_tokens = cached
             n = min(len(request.seen) - request.seq.length, budget)
             self.running.append(request)
-            admitted.append(request)
-            rows.append((request, n))
+            plan.admitted.append(request)
+            plan.rows.append(_row(request, n))
             budget -= n
-        return rows, admitted, preempted
+        return plan
 
-    def _draft(self, request: BatchRequest, n: int, budget: int) -> int:
-        """A speculative request about to decode proposes its drafts (kept in ``request.drafted``);
-        returns how many positions they add to its row (none when no block is free for them)."""
-        request.drafted = ([], None)
-        if request.spec is None or not request.new_ids or n != 1 or request.seq.length != len(request.seen) - 1:
-            return 0
-        ids, q = request.spec.propose(limit=budget)
-        if not ids or not self.pool.can_grow(request.seq, 1 + len(ids)):
-            return 0
-        request.drafted = (ids, q)
-        return len(ids)
+    def _draft(self, request: BatchRequest, n: int, budget: int) -> Proposal:
+        """A speculative request about to decode proposes its drafts (``speculative_step.propose``): none
+        when it is not decoding one token, or when no block is free for them."""
+        if not request.new_ids or n != 1 or request.seq.length != len(request.seen) - 1:
+            return NO_DRAFTS
+        proposal = propose(request, limit=budget)
+        if not proposal.ids or not self.pool.can_grow(request.seq, 1 + len(proposal.ids)):
+            return NO_DRAFTS
+        return proposal
 
     def _preempt(self, request: BatchRequest) -> None:
         self.pool.release(request.seq)  # its full blocks stay cached: recomputing may reuse them
@@ -193,43 +192,24 @@ class Scheduler:
         self.running.remove(request)
         self.waiting.appendleft(request)
 
-    # --- one step ----------------------------------------------------------------------------------
+    # --- one step: schedule -> execute -> apply ----------------------------------------------------
     def step(self) -> list[BatchRequest]:
-        """Schedule, run one batched forward pass, sample where due; return the requests that finished."""
+        """Plan, run one batched forward pass, apply its results; return the requests that finished."""
         t0 = time.perf_counter()
         finished = [r for r in (*self.running, *self.waiting) if not r.running()]  # cancel, deadline
         for request in finished:
             self._finish(request)
-        rows, admitted, preempted = self.schedule()
-        starts = [request.seq.length for request, _ in rows]
-        fed = None if self.listener is None else [_row_facts(r, n, s) for (r, n), s in zip(rows, starts, strict=True)]
-        if rows:
-            chunks = [  # a speculative row feeds [last, d1 .. dk]
-                (np.asarray(r.seen[s : s + n] if not r.drafted[0] else [r.seen[s], *r.drafted[0]]), r.seq)
-                for (r, n), s in zip(rows, starts, strict=True)
-            ]
-            last_rows = [1 + len(r.drafted[0]) for r, _ in rows]  # k + 1 rows verify k drafts
-            logits = self.model.transformer.forward_batch(chunks, last_rows=last_rows)  # [sum(last_rows), vocab]
-            forward_s = time.perf_counter() - t0
-            ends = np.cumsum(last_rows)
-            for (request, n), start, end, m in zip(rows, starts, ends, last_rows, strict=True):
-                request.metrics.target_passes += 1
-                request.metrics.prompt_tokens_computed += max(0, min(start + n, len(request.prompt_ids)) - start)
-                if request.step_delay_s > 0:
-                    request.hold_until = time.perf_counter() + request.step_delay_s
-                if not request.new_ids:
-                    request.metrics.prefill_s += forward_s
-                if request.drafted[0]:  # accept, roll the rejected drafts' blocks back, push the run
-                    request.deltas.extend(request.spec.settle(logits[end - m : end], *request.drafted, t0))
-                elif request.seq.length == len(request.seen):  # every token is in: sample the next
-                    request.deltas.extend(request.take(logits[end - 1], t0))
-                self.pool.register_full_blocks(request.seq, request.seen)  # after any rollback
-                if request.stop_reason is not None:
-                    finished.append(request)
-                    self._finish(request)
+        plan = self.schedule()
+        self.held = plan.held
+        fed = None if self.listener is None else [_row_facts(row) for row in plan.rows]
+        if plan.rows:
+            logits = execute(self.model, plan)
+            for request in apply(plan, logits, self.pool, t0, time.perf_counter() - t0):
+                finished.append(request)
+                self._finish(request)
         self.steps += 1
         if self.listener is not None:
-            self._tell(t0, fed, admitted, preempted, finished)
+            self._tell(t0, fed, plan, finished)
         return finished
 
     def _finish(self, request: BatchRequest) -> None:
@@ -247,7 +227,7 @@ class Scheduler:
             request.cancel(why)
             self._finish(request)
 
-    def _tell(self, t0, fed, admitted, preempted, finished) -> None:
+    def _tell(self, t0, fed, plan: Plan, finished) -> None:
         pool = self.pool
         self.listener.on_event(
             "batch_step",
@@ -257,8 +237,8 @@ class Scheduler:
             {
                 "step": self.steps,
                 "rows": fed,
-                "admitted": {r.index: r.seq.cached_tokens for r in admitted},
-                "preempted": [r.index for r in preempted],
+                "admitted": {r.index: r.seq.cached_tokens for r in plan.admitted},
+                "preempted": [r.index for r in plan.preempted],
                 "finished": [r.index for r in finished],
                 "waiting": [r.index for r in self.waiting],
                 "tables": {r.index: list(r.seq.block_table) for r in self.running},
@@ -272,13 +252,22 @@ class Scheduler:
         )
 
 
-def _row_facts(request: BatchRequest, n: int, start: int) -> dict:
+def _row(request: BatchRequest, n: int, draft: Proposal = NO_DRAFTS) -> Row:
+    """The row feeding ``request``'s next ``n`` tokens from its cache's length: its known ids not yet in the
+    cache, or a speculative row's ``[last, d1 .. dk]``."""
+    start = request.seq.length
+    ids = request.seen[start : start + n] if not draft.ids else [request.seen[start], *draft.ids]
+    return Row(request, start, np.asarray(ids), draft)
+
+
+def _row_facts(row: Row) -> dict:
     """What one row of a step feeds: a decode (the last sampled token) or a prefill chunk, and
     whether it recomputes a preempted request's tokens."""
+    request, start = row.request, row.start
     decode = bool(request.new_ids) and start == len(request.seen) - 1
     return {
         "request": request.index,
-        "tokens": n,
+        "tokens": len(row.ids),
         "start": start,
         "kind": "decode" if decode else "prefill",
         "recompute": request.metrics.preemptions > 0 and not decode,

@@ -32,9 +32,8 @@ step. ``adaptive=False`` drafts ``num_tokens`` every pass (the formula's fixed `
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -232,125 +231,121 @@ def along_grammar(state, ids: list[int]) -> tuple[list[int], list[np.ndarray]]:
 
 
 # --- one request's speculation ---------------------------------------------------------------------
-class SpeculativeDecoder:
-    """One request's draft and its verification step; ``request`` is a ``request.Request``.
+@dataclass(frozen=True)
+class Proposal:
+    """A draft's proposal for one pass: ``ids`` (the ``k`` drafted ids; none: a plain decode step), ``q``
+    ``[k, vocab]`` float64 (what each was drawn from; None: a deterministic draft) and ``masks``, the
+    constraint's ``bool [vocab]`` mask for each of the ``k + 1`` verified rows (None: no constraint)."""
 
-    The request pushes its tokens through :meth:`settle` after a verification forward; its
-    metrics count ``drafted_tokens``, ``accepted_tokens``, ``rejections`` and ``verify_steps``.
-    """
+    ids: list[int] = field(default_factory=list)
+    q: np.ndarray | None = None
+    masks: list[np.ndarray | None] = field(default_factory=lambda: [None])
 
-    def __init__(self, spec: Speculative, model, request):
-        self.spec, self.request = spec, request
-        self.draft = make_draft(spec, model, request.window)
-        self.k = 1 if spec.adaptive else spec.num_tokens  # drafts asked for next pass (next_k)
-        self.masks: list[np.ndarray | None] = []  # with a constraint: the mask of each verified row
-        self.walk: int | None = None  # with a constraint, while a model drafts: the tokens it walked
 
-    def budget(self, limit: int | None = None) -> int:
-        """Drafts worth proposing now: at most ``num_tokens``, one fewer than the tokens still allowed,
-        and what the cache has room for (with ``last``); ``limit``: a batch step's token budget."""
-        r = self.request
-        k = min(self.k, r.max_new_tokens - len(r.new_ids) - 1, r.cache.free_positions - 1)
-        return max(0, k if limit is None else min(k, limit - 1))
+class Chooser:
+    """How a model draft picks its tokens (a ``drafts.Choose``): the request's processors (``params``,
+    ``rng``; the ids past the first ``n_prompt`` count as generated), and a constraint's mask as far as the
+    grammar walks without a forced run. Greedy gives no ``q``. :meth:`stop` rolls the walk back."""
 
-    def propose(self, limit: int | None = None) -> tuple[list[int], np.ndarray | None]:
-        """The draft's ids (possibly none: then a plain decode step) and their ``q`` ``[k, vocab]`` or None."""
-        k = self.budget(limit)
-        r = self.request
-        if k == 0 or (r.constraint is not None and len(r.pending()) != 1):  # a forced run is fed first
-            return [], None
-        self.walk = 0 if r.constraint is not None else None  # a model draft's tokens follow the grammar too
-        try:
-            ids, q = self.draft.propose(list(self.request.seen), k, self._choose)
-        finally:
-            self._stop_walk()
-        ids = [int(i) for i in ids][:k]
-        vocab = self.request.model.config.vocab_size
-        if any(not 0 <= i < vocab for i in ids) or (q is not None and np.shape(q)[1:] != (vocab,)):
-            raise InvalidRequestError(
-                f"draft {self.draft!r} proposed ids {ids} / q of shape {np.shape(q)} outside the model's "
-                f"vocabulary of {vocab}; a draft must share the model's tokenizer."
-            )
-        self.masks = [None] * (len(ids) + 1)
-        if r.constraint is not None and ids:
-            ids, self.masks = along_grammar(r.constraint, ids)
-        return ids, None if q is None or not ids else np.asarray(q, dtype=np.float64)[: len(ids)]
+    def __init__(self, params: SamplingParams, rng, n_prompt: int, constraint=None):
+        self.params, self.rng, self.n_prompt, self.constraint = params, rng, n_prompt, constraint
+        self.walk: int | None = None if constraint is None else 0  # the tokens walked in the grammar
 
-    def _choose(self, logits: np.ndarray, seen) -> tuple[int, np.ndarray | None]:
-        """How a model draft picks its token: the request's processors (and a constraint's mask, as far
-        as the grammar walks without a forced run); greedy gives no ``q``."""
-        r = self.request
-        generated = list(seen)[len(r.prompt_ids) :]  # the ids past the prompt: OpenAI's penalties count these
-        allowed = r.constraint.allowed() if self.walk is not None else None
-        if r.params.greedy:
-            token, q = sampling.sample(logits, r.params, r.rng, seen, generated, allowed), None
+    def __call__(self, logits: np.ndarray, seen) -> tuple[int, np.ndarray | None]:
+        generated = list(seen)[self.n_prompt :]  # the ids past the prompt: OpenAI's penalties count these
+        grammar = self.constraint
+        allowed = grammar.allowed() if self.walk is not None else None
+        if self.params.greedy:
+            token, q = sampling.sample(logits, self.params, self.rng, seen, generated, allowed), None
         else:
-            q = distribution(logits, r.params, seen, generated, allowed)
-            token = draw(q, r.rng)
+            q = distribution(logits, self.params, seen, generated, allowed)
+            token = draw(q, self.rng)
         if self.walk is not None:  # follow the draft in the grammar; stop at an EOS or before a forced run
-            if token not in r.constraint.eos:
-                r.constraint.consume(token)
+            if token not in grammar.eos:
+                grammar.consume(token)
                 self.walk += 1
-            if token in r.constraint.eos or r.constraint.forced():
-                self._stop_walk()
+            if token in grammar.eos or grammar.forced():
+                self.stop()
         return token, q
 
-    def _stop_walk(self) -> None:
-        """End a draft's walk in the grammar (its later tokens unmasked: ``along_grammar`` cuts them)."""
+    def stop(self) -> None:
+        """End the walk in the grammar (the draft's later tokens unmasked: ``along_grammar`` cuts them)."""
         if self.walk:
-            self.request.constraint.matcher.rollback(self.walk)
+            self.constraint.matcher.rollback(self.walk)
         self.walk = None
 
-    def accept(self, logits, ids: list[int], q) -> tuple[int, int]:
-        """Apply the rule to the verification logits ``[k + 1, vocab]`` (an array, or a
-        ``steps.RowLogits`` whose rows are scored as the rule reaches them)."""
-        r, masks = self.request, self.masks
-        seen, new = list(r.seen), list(r.new_ids)
-        if r.params.greedy:
-            return verify_greedy(
-                lambda i: sampling.sample(logits[i], r.params, None, seen + ids[:i], new + ids[:i], masks[i]), ids
+
+class SpeculativeDecoder:
+    """One request's draft and its adaptive ``k`` (:func:`next_k`). It holds no request: :meth:`propose`
+    takes the ids so far and the request's sampler as arguments and returns a :class:`Proposal`;
+    :func:`accept` applies the rule to a verification's logits; :meth:`adapt` moves ``k`` on. The
+    request appends the tokens (``speculative_step.settle``).
+
+    Args:
+        spec: the request's :class:`Speculative`; ``model``: the loaded model (a model draft is built from
+            it); ``max_seq_len``: the request's window (a model draft's own cache).
+    """
+
+    def __init__(self, spec: Speculative, model, max_seq_len: int):
+        self.spec, self.vocab = spec, model.config.vocab_size
+        self.draft = make_draft(spec, model, max_seq_len)
+        self.k = 1 if spec.adaptive else spec.num_tokens  # drafts asked for next pass (next_k)
+
+    def propose(self, tokens, most: int, params: SamplingParams, rng, n_prompt: int, constraint=None) -> Proposal:
+        """The draft's ids after ``tokens`` (prompt + new ids), at most ``k`` and ``most`` (the room the
+        request has); ``constraint``: a ``constraint.ConstraintState`` the drafts must follow (cut at the
+        first it refuses, see :func:`along_grammar`). Nothing proposed: an empty :class:`Proposal`.
+
+        Raises:
+            InvalidRequestError: a draft proposing ids (or a ``q``) outside the model's vocabulary.
+        """
+        k = max(0, min(self.k, most))
+        if k == 0:
+            return Proposal()
+        choose = Chooser(params, rng, n_prompt, constraint)  # a model draft's tokens follow the grammar too
+        try:
+            ids, q = self.draft.propose(list(tokens), k, choose)
+        finally:
+            choose.stop()
+        ids = [int(i) for i in ids][:k]
+        if any(not 0 <= i < self.vocab for i in ids) or (q is not None and np.shape(q)[1:] != (self.vocab,)):
+            raise InvalidRequestError(
+                f"draft {self.draft!r} proposed ids {ids} / q of shape {np.shape(q)} outside the model's "
+                f"vocabulary of {self.vocab}; a draft must share the model's tokenizer."
             )
-        p_of = lambda i: distribution(logits[i], r.params, seen + ids[:i], new + ids[:i], masks[i])  # noqa: E731
-        return verify(p_of, q, ids, r.rng)
+        masks = [None] * (len(ids) + 1)
+        if constraint is not None and ids:
+            ids, masks = along_grammar(constraint, ids)
+        return Proposal(ids, None if q is None or not ids else np.asarray(q, dtype=np.float64)[: len(ids)], masks)
 
-    def settle(self, logits: np.ndarray, ids: list[int], q, step_t0: float):
-        """After the forward over ``[last, *ids]``: accept, roll the cache back, push the tokens
-        (stopping at the first stop condition); yield the text they release."""
-        r, m = self.request, self.request.metrics
-        start = r.cache.length - len(ids) - 1  # where ``last`` was written
-        n, token = self.accept(logits, ids, q)
-        r.cache.truncate(start + 1 + n)  # the rejected drafts' keys and values are forgotten
-        m.drafted_tokens += len(ids)
-        m.accepted_tokens += n
-        m.rejections += n < len(ids)  # the first mismatch; the drafts after it were never checked
-        m.verify_steps += 1
+    def adapt(self, drafted: int, accepted: int) -> None:
+        """After a verification that kept ``accepted`` of ``drafted``: ``k`` for the next pass (:func:`next_k`)."""
         if self.spec.adaptive:
-            self.k = next_k(self.k, len(ids), n, self.spec.num_tokens)
-        run = [*ids[:n], token]
-        step_s = (time.perf_counter() - step_t0) / len(run)
-        for j, t in enumerate(run):
-            mask = self.masks[j]
-            yield from r.push(t, self.probs(logits[j], mask), step_t0, cache_length=start + 1 + j, step_s=step_s,
-                              allowed=mask)  # fmt: skip
-            if r.stop_reason is not None:  # never past a stop: the cache holds what came before it
-                run = run[: j + 1]
-                r.cache.truncate(start + len(run))
-                break
-        if r.listener is not None:
-            r.emit_verify(drafted=ids, accepted=n, token=token, bonus=n == len(ids), kept=run, step_t0=step_t0)
-
-    def probs(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray | None:
-        """The distribution plain decoding would show for the next token (after the request's tokens so
-        far, the kept drafts pushed), float32 ``[vocab]`` as ``sampling.sample_with_probs`` gives it,
-        for its logprobs and the trace (None when neither asks): the model's own ``p`` at that row,
-        whether the token is a kept draft, a resample or the bonus (each has ``p``'s distribution)."""
-        r = self.request
-        if r.listener is None and r.logprobs is None:
-            return None
-        seen, new = r.seen, r.new_ids
-        if r.params.greedy:  # greedy shows the penalised logits' softmax, unfiltered (as sample_with_probs)
-            return sampling.probabilities(sampling.penalize(logits, r.params, seen, new, allowed))
-        return sampling.probabilities(sampling.process_logits(logits, r.params, seen, new, allowed))
+            self.k = next_k(self.k, drafted, accepted, self.spec.num_tokens)
 
     def release(self) -> None:
         self.draft.release()
+
+
+def accept(logits, proposal: Proposal, params: SamplingParams, rng, seen, generated) -> tuple[int, int]:
+    """Apply the rule to a verification's logits ``[k + 1, vocab]`` (an array, or a ``steps.RowLogits``
+    whose rows are scored as the rule reaches them): ``(accepted, token)``, the drafts kept and the token
+    after them. ``seen``: the ids so far (the repetition penalty's), ``generated``: the new ones; row ``i``
+    counts the first ``i`` drafts as seen, under ``proposal.masks[i]``."""
+    ids, masks, seen, new = proposal.ids, proposal.masks, list(seen), list(generated)
+    if params.greedy:
+        return verify_greedy(
+            lambda i: sampling.sample(logits[i], params, None, seen + ids[:i], new + ids[:i], masks[i]), ids
+        )
+    p_of = lambda i: distribution(logits[i], params, seen + ids[:i], new + ids[:i], masks[i])  # noqa: E731
+    return verify(p_of, proposal.q, ids, rng)
+
+
+def shown_probs(logits: np.ndarray, params: SamplingParams, seen, generated, allowed=None) -> np.ndarray:
+    """The distribution plain decoding would show for the next token after ``seen`` (``generated`` the new
+    ids), float32 ``[vocab]`` as ``sampling.sample_with_probs`` gives it, for logprobs and the trace: the
+    model's own ``p`` at that row, whether the token is a kept draft, a resample or the bonus (each has
+    ``p``'s distribution)."""
+    if params.greedy:  # greedy shows the penalised logits' softmax, unfiltered (as sample_with_probs)
+        return sampling.probabilities(sampling.penalize(logits, params, seen, generated, allowed))
+    return sampling.probabilities(sampling.process_logits(logits, params, seen, generated, allowed))

@@ -59,9 +59,10 @@ def test_an_unknown_request_option_is_named(smollm2):
 
     from minillm.runtime.request import Request
 
-    # listener (the tracer's wiring) and prepared (the server's worker hands over the ids it sized the
-    # request by) are Request's own callers' arguments, not options of stream
-    internal = {"self", "model", "prompt", "params", "listener", "prepared"}
+    # listener (the tracer's wiring), prepared (the server's worker hands over the ids it sized the
+    # request by), new_cache (a batched request's paged sequence) and cached_ids (a conversation's turn)
+    # are Request's own callers' arguments, not options of stream
+    internal = {"self", "model", "prompt", "params", "listener", "prepared", "new_cache", "cached_ids"}
     signature = set(inspect.signature(Request.__init__).parameters) - internal
     assert Request.OPTIONS == signature  # stream's documented options are exactly what Request takes
     with pytest.raises(InvalidRequestError, match=r"unknown request option\(s\) \['max_tokens'\]; the options are "):
