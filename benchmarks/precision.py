@@ -245,6 +245,7 @@ def llama_cpp_speed(gguf_path, decode_steps: int = 16, prompt_tokens: int = 128,
     params.n_ctx = prompt_tokens + decode_steps + 8
     params.n_batch = prompt_tokens
     params.n_parallel = 1  # one slot: every request below extends the same cached sequence
+    params.swa_full = True  # sliding-window layers (Gemma 3) keep every position: the whole prompt stays reusable
     params.cpuparams.n_threads = threads
     params.cpuparams_batch.n_threads = threads
     params.verbosity = -1  # its log goes to the process's stderr (a lesson's output otherwise)
