@@ -143,8 +143,8 @@ class ModelRegistry:
         return f"{prefix}-{self.metrics.instance}-{next(self._ids):04d}"
 
     def served_names(self) -> list[str]:
-        """Every served name, the first model's first."""
-        return list(self.slots)
+        """Every served name, the first model's first (known from the specs, before any plan)."""
+        return [spec.served for spec in self.specs]
 
     def target(self, name: str) -> ModelSlot | None:
         """The slot of the model ``name`` names, or None."""
