@@ -1,8 +1,8 @@
 """What a forward pass computes from its positions alone: RoPE angles and attention masks, per layer type.
 
-A :class:`PositionTables` belongs to one model (its config decides the layer types and RoPE speeds);
-the forward (``transformer.py``) and the engine room's paged decode rows (``kernels/paged_decode.py``)
-both ask it for the angles and masks of the positions they feed.
+A :class:`PositionTables` belongs to one model (its config decides the layer types and RoPE speeds;
+``transformer.py`` builds it); each forward pass (``passes.py``) and the engine room's paged decode
+rows (``kernels/paged_decode.py``) ask it for the angles and masks of the positions they feed.
 """
 
 from __future__ import annotations
