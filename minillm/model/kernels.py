@@ -23,8 +23,6 @@ together over the paged pool. The textbook never imports the engine room;
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from minillm.model import primitives
@@ -47,15 +45,7 @@ class Kernels:
         The plain kernels choose nothing: themselves."""
         return self
 
-    def begin(
-        self,
-        config: ModelConfig,
-        tables: PositionTables,
-        chunks: Sequence[tuple[np.ndarray, object]],
-        *,
-        batch: bool = False,
-        capture: dict | None = None,
-    ) -> ForwardPass:
+    def begin(self, config: ModelConfig, tables: PositionTables, chunks, *, batch=False, capture=None) -> ForwardPass:
         """A forward pass over ``chunks`` (``(positions [seq_j] int, cache or None)`` per sequence, rows
         in that order): :class:`~minillm.model.passes.ForwardPass`. ``batch``: the rows are a batch's
         (``Transformer.forward_batch``); ``capture``: a dict for intermediates, or None."""
