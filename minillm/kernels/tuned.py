@@ -57,7 +57,7 @@ class TunedKernels(Kernels):
         """``x @ w.T (+ b)`` as :class:`Kernels.linear` for one sequence's rows: ``left`` for a prefill
         (more than ``FEW_ROWS`` rows) of a matrix :meth:`prepare` chose (its column-major result
         kept: no copy), else the plain product."""
-        if id(w) in self.left_in_prefill and x.shape[0] > products.FEW_ROWS and len(w.parts()) == 1:
+        if x.shape[0] > products.FEW_ROWS and id(w) in self.left_in_prefill and len(w.parts()) == 1:
             dense = w.parts()[0].dense
             if dense is not None:
                 y = products.left(x, dense)  # [rows, out], column-major
@@ -76,12 +76,13 @@ def product(x: np.ndarray, w: HeldMatrix, b: np.ndarray | None, *, few_rows: boo
     chunked product; a float32 matrix (or each memory-mapped part) by ``products.few_rows_product``
     when ``few_rows`` and 2 to ``FEW_ROWS`` rows, else ``x @ w.T``."""
     parts = w.parts()
-    if any(part.dense is None for part in parts):  # a compact format: its own chunked product
+    if len(parts) == 1:  # the common case first: one matrix, float32 or a compact format
+        dense = parts[0].dense
+        y = w.linear(x) if dense is None else _dense_product(x, dense, few_rows)
+    elif any(part.dense is None for part in parts):  # a compact format: its own chunked product
         y = w.linear(x)
-    elif len(parts) > 1:  # memory-mapped parts: each a float32 array, each its own product
+    else:  # memory-mapped parts: each a float32 array, each its own product
         y = np.concatenate([_dense_product(x, part.dense, few_rows) for part in parts], axis=-1)
-    else:
-        y = _dense_product(x, parts[0].dense, few_rows)
     if b is not None:
         y += b
     return y

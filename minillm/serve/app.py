@@ -51,7 +51,6 @@ def create_app(served: ServedModels, max_request_bytes: int = DEFAULT_MAX_REQUES
     gauges are bound here, once; clients name its models by ``served.served_names()``. A body over
     ``max_request_bytes`` is refused with 413 (``limits.py``)."""
     served.metrics.bind(served)  # /metrics' gauges read the interface at scrape time
-    served.guard.counters.bind(served)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -79,35 +79,12 @@ class ServedModels(Protocol):
     def model_cards(self) -> list[dict]:
         """GET /v1/models' entries (``protocol.ModelCard`` fields), one per served name."""
 
-    # --- the gauges /metrics reads at scrape time (counts, bytes) ----------------------------------
-    @property
-    def running(self) -> int:
-        """Requests in the running batch."""
-
-    @property
-    def waiting(self) -> int:
-        """Requests queued, being admitted, or in a scheduler but not running."""
-
-    @property
-    def kv_bytes_reserved(self) -> int:
-        """Bytes of KV-pool blocks held by requests (a shared block counted once)."""
-
-    @property
-    def kv_bytes_in_use(self) -> int:
-        """Bytes holding the running requests' filled positions."""
-
-    @property
-    def blocks_used(self) -> int:
-        """KV-pool blocks held by requests."""
-
-    @property
-    def blocks_total(self) -> int:
-        """KV-pool blocks in all (0 while no model is loaded)."""
-
-    @property
-    def tracked(self) -> int:
-        """Requests the worker holds state for (admitted and not yet answered)."""
-
-    @property
-    def alive(self) -> bool:
-        """True while the serving thread runs."""
+    # --- the gauges /metrics reads at scrape time (counts, bytes): read-only properties ----------------
+    running = property(doc="Requests in the running batch.")
+    waiting = property(doc="Requests queued, being admitted, or in a scheduler but not running.")
+    kv_bytes_reserved = property(doc="Bytes of KV-pool blocks held by requests (a shared block counted once).")
+    kv_bytes_in_use = property(doc="Bytes holding the running requests' filled positions.")
+    blocks_used = property(doc="KV-pool blocks held by requests.")
+    blocks_total = property(doc="KV-pool blocks in all (0 while no model is loaded).")
+    tracked = property(doc="Requests the worker holds state for (admitted and not yet answered).")
+    alive = property(doc="True while the serving thread runs.")

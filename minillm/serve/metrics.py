@@ -62,6 +62,11 @@ class ServerMetrics:
             "minillm_kv_cache_bytes_reserved", "KV-cache bytes allocated by running requests", registry=r
         )
         self.kv_in_use = Gauge("minillm_kv_cache_bytes_in_use", "KV-cache bytes holding filled positions", registry=r)
+        # leak checks: after every request has ended, no block is held and no request tracked
+        self.blocks_used = Gauge("minillm_kv_cache_blocks_used", "KV-cache pool blocks held by requests", registry=r)
+        self.blocks_total = Gauge("minillm_kv_cache_blocks_total", "KV-cache pool blocks in all", registry=r)
+        self.tracked = Gauge("minillm_requests_tracked", "Requests the worker holds state for", registry=r)
+        self.worker_alive = Gauge("minillm_worker_alive", "1 while the model's worker thread runs", registry=r)
 
     def bind(self, served) -> None:
         """Read the gauges at scrape time (no bookkeeping in the request loop) from ``served``, the
@@ -70,6 +75,10 @@ class ServerMetrics:
         self.waiting.set_function(lambda: served.waiting)
         self.kv_reserved.set_function(lambda: served.kv_bytes_reserved)
         self.kv_in_use.set_function(lambda: served.kv_bytes_in_use)
+        self.blocks_used.set_function(lambda: served.blocks_used)
+        self.blocks_total.set_function(lambda: served.blocks_total)
+        self.tracked.set_function(lambda: served.tracked)
+        self.worker_alive.set_function(lambda: float(served.alive))
 
     def observe_latencies(self, ttft: float | None, decode_steps: list[float], e2e: float) -> None:
         """A finished request's TTFT (None: no token), each of its decode steps (TPOT) and e2e, seconds."""

@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter
 
 import minillm
 from minillm.runtime.scheduler import BatchRequest
@@ -42,7 +42,8 @@ class InjectedFault(RuntimeError):
 
 
 class ReliabilityMetrics:
-    """Counters for how requests ended badly or were turned away, and gauges for leak checks."""
+    """Counters for how requests ended badly or were turned away (the leak checks' gauges are
+    :class:`~minillm.serve.metrics.ServerMetrics`', read at scrape time like the others)."""
 
     def __init__(self, registry: CollectorRegistry):
         r = registry
@@ -58,18 +59,6 @@ class ReliabilityMetrics:
         self.drained = Counter(
             "minillm_request_drained", "Requests in flight when shutdown began, by how they ended", ["how"], registry=r
         )
-        self.blocks_used = Gauge("minillm_kv_cache_blocks_used", "KV-cache pool blocks held by requests", registry=r)
-        self.blocks_total = Gauge("minillm_kv_cache_blocks_total", "KV-cache pool blocks in all", registry=r)
-        self.tracked = Gauge("minillm_requests_tracked", "Requests the worker holds state for", registry=r)
-        self.worker_alive = Gauge("minillm_worker_alive", "1 while the model's worker thread runs", registry=r)
-
-    def bind(self, served) -> None:
-        """Read the gauges at scrape time from ``served``, the
-        :class:`~minillm.serve.interface.ServedModels` behind the app (``app.create_app`` binds it, once)."""
-        self.blocks_used.set_function(lambda: served.blocks_used)
-        self.blocks_total.set_function(lambda: served.blocks_total)
-        self.tracked.set_function(lambda: served.tracked)
-        self.worker_alive.set_function(lambda: float(served.alive))
 
 
 class Guard:

@@ -161,10 +161,7 @@ def test_the_gauges_are_bound_once_in_create_app():
         for fn, call in calls(path)
         if isinstance(call.func, ast.Attribute) and call.func.attr == "bind" and "sock" not in ast.unparse(call.func)
     )
-    assert binds == [
-        ("app.py", "create_app", "served.guard.counters.bind"),
-        ("app.py", "create_app", "served.metrics.bind"),
-    ]
+    assert binds == [("app.py", "create_app", "served.metrics.bind")]
 
 
 def big_dataclasses(folder: Path) -> dict[str, bool]:
