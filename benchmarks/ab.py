@@ -1,6 +1,7 @@
 """A/B: this checkout's forward pass against an earlier commit's, in one process, in alternation.
 
-    python -m benchmarks.ab --before HEAD~3            # decode step, prefill-512, batch-8 and batch-32 steps
+    python -m benchmarks.ab --before HEAD~3            # decode step, prefill-512, batch-8 and batch-32 steps,
+                                                       # and single-sequence passes of 2, 8 and 64 rows
     python -m benchmarks.ab --before HEAD~3 --plain    # ... and this checkout's plain kernels beside them
 
 Why one process and alternation: on a shared machine the speed of memory and of the BLAS drifts
@@ -95,6 +96,25 @@ def time_batch(m, model, batch: int, steps: int, context: int) -> float:
     return statistics.median(times)
 
 
+def time_rows(m, model, rows: int, context: int) -> float:
+    """Seconds of one single-sequence pass of ``rows`` new tokens onto a cache of ``context`` positions
+    (a chunk of a chunked prefill, or speculative decoding's verification of ``rows`` drafted tokens)."""
+    ids = np.arange(300, 300 + context + rows) % model.config.vocab_size
+    cache = m.KVCache.for_model(model.config, max_seq_len=context + rows)
+    m.prefill(model, ids[:context], cache)
+    t = time.perf_counter()
+    model.transformer.forward(ids[context:], cache, last_only=True)
+    return time.perf_counter() - t
+
+
+def blas_pools() -> list[dict]:
+    """The BLAS pools this process runs (threadpoolctl): library, kernel (``architecture``), threads."""
+    from threadpoolctl import threadpool_info
+
+    keys = ("internal_api", "architecture", "num_threads", "version")
+    return [{k: pool.get(k) for k in keys} for pool in threadpool_info() if pool.get("user_api") == "blas"]
+
+
 def plain_twin(model):
     """A copy of ``model`` (the same weights) whose transformer runs the plain kernels."""
     import copy
@@ -107,7 +127,8 @@ def plain_twin(model):
     return twin
 
 
-FIGURES = ("decode_s", "prefill_s", "batch8_s", "batch32_s")
+ROWS = (2, 8, 64)  # single-sequence passes the few-rows products may serve
+FIGURES = ("decode_s", "prefill_s", "batch8_s", "batch32_s", *(f"rows{n}_s" for n in ROWS))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,14 +160,18 @@ def main(argv: list[str] | None = None) -> int:
                 times[name]["prefill_s"].append(time_prefill(m, model, args.prefill_tokens))
                 times[name]["batch8_s"].append(time_batch(m, model, 8, 8, args.context))
                 times[name]["batch32_s"].append(time_batch(m, model, 32, 8, args.context))
+                for n in ROWS:
+                    times[name][f"rows{n}_s"].append(time_rows(m, model, n, args.context))
     report = {
         "before": args.before,
+        "blas": blas_pools(),
         "rounds": args.rounds,
         "steps": args.steps,
         "context": args.context,
         "prefill_tokens": args.prefill_tokens,
         "times": times,
     }
+    print("BLAS:", ", ".join(f"{p['internal_api']} {p['architecture']} x{p['num_threads']}" for p in report["blas"]))
     for figure in FIGURES:
         b, a = statistics.median(times["before"][figure]), statistics.median(times["after"][figure])
         report[figure] = {"before": b, "after": a, "after_over_before": a / b}
