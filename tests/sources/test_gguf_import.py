@@ -96,19 +96,14 @@ def write_tiny_gguf(path: pathlib.Path, hf: dict[str, np.ndarray], *, arch: str 
 @pytest.fixture
 def tiny_hf():
     rng = np.random.default_rng(0)
-    shapes = {
-        "model.embed_tokens.weight": (258, D_MODEL),
-        "model.norm.weight": (D_MODEL,),
-        "model.layers.0.self_attn.q_proj.weight": (N_HEADS * HEAD_DIM, D_MODEL),
-        "model.layers.0.self_attn.k_proj.weight": (N_KV * HEAD_DIM, D_MODEL),
-        "model.layers.0.self_attn.v_proj.weight": (N_KV * HEAD_DIM, D_MODEL),
-        "model.layers.0.self_attn.o_proj.weight": (D_MODEL, N_HEADS * HEAD_DIM),
-        "model.layers.0.mlp.gate_proj.weight": (FFN, D_MODEL),
-        "model.layers.0.mlp.up_proj.weight": (FFN, D_MODEL),
-        "model.layers.0.mlp.down_proj.weight": (D_MODEL, FFN),
-        "model.layers.0.input_layernorm.weight": (D_MODEL,),
-        "model.layers.0.post_attention_layernorm.weight": (D_MODEL,),
-    }
+    q, kv = N_HEADS * HEAD_DIM, N_KV * HEAD_DIM
+    layer = {  # transformers' names in layer 0 -> [out, in]
+        "self_attn.q_proj": (q, D_MODEL), "self_attn.k_proj": (kv, D_MODEL), "self_attn.v_proj": (kv, D_MODEL),
+        "self_attn.o_proj": (D_MODEL, q), "mlp.gate_proj": (FFN, D_MODEL), "mlp.up_proj": (FFN, D_MODEL),
+        "mlp.down_proj": (D_MODEL, FFN), "input_layernorm": (D_MODEL,), "post_attention_layernorm": (D_MODEL,),
+    }  # fmt: skip
+    shapes = {"model.embed_tokens.weight": (258, D_MODEL), "model.norm.weight": (D_MODEL,)}
+    shapes |= {f"model.layers.0.{name}.weight": shape for name, shape in layer.items()}
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 
