@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 from helpers import run_bench
-from servers import MODEL, metrics, running_server
+from servers import MODEL, chat_body, metrics, running_server
 
 import minillm
 
@@ -310,10 +310,6 @@ def test_a_shared_prefix_is_reported_as_cached_tokens(server, model):
 
 
 # --- bad requests --------------------------------------------------------------------------------
-def chat_body(**fields):
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
-
-
 BAD = [  # (path, body or raw text, status, words the message must contain)
     ("chat", chat_body(temperature="hot"), 400, ["temperature"]),
     ("chat", chat_body(temperature=3), 400, ["temperature", "2"]),

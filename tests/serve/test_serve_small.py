@@ -16,17 +16,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import MODEL, metrics, running_server, wait_for
+from servers import MODEL, chat_body, metrics, running_server, wait_for
 
 
 @pytest.fixture(scope="module")
 def model(smollm2):
     """The session's SmolLM2 (only its folder is read here: no second copy of the weights)."""
     return smollm2
-
-
-def chat_body(**fields):
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
 
 
 # --- the small server: loading, queue limit, timeout, schemathesis --------------------------------

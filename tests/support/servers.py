@@ -37,6 +37,11 @@ def running_server(tmp_path: Path, *flags: str, wait_ready: bool = True, model: 
         stop(proc)
 
 
+def chat_body(**fields) -> dict:
+    """A /v1/chat/completions body for ``MODEL``: one user turn "Hi", 2 tokens, and ``fields`` over them."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
+
+
 def metrics(url: str) -> dict[str, float]:
     """/metrics as {sample name + labels: value}."""
     out = {}
