@@ -215,7 +215,82 @@ def test_a_multi_model_server_drains_on_sigterm_and_refuses_a_large_body_with_41
     assert "drained 2 requests (2 finished, 0 cancelled or failed)" in log.read_text()
 
 
-# --- faults, backpressure, limits: one server ----------------------------------------------------
+# --- --max-queue while a job is being admitted (issue 41) ------------------------------------------
+def wait_until(url: str, name: str, at_least: float, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while metrics(url).get(name, 0) < at_least:
+        assert time.monotonic() < deadline, f"{name} never reached {at_least}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("several", [(), ("--keep-alive", "-1")], ids=["one-model", "several-model"])
+def test_a_request_being_admitted_counts_against_max_queue(tmp_path, calibration, several):
+    """--max-num-seqs 1 --max-queue 1, three requests. A runs; B has left the queue, is prepared and
+    not yet in the scheduler (the test hook holds it there until another request arrives); C comes:
+    B is the one request allowed to wait, so C gets 429. (B was counted nowhere: C was queued and
+    answered 200, one request too many.) The several-model server's slots are the same worker."""
+    proc, url, log = start(tmp_path, calibration, "--test-faults", "--max-queue", "1", "--max-num-seqs", "1", *several)
+    picked = "minillm_request_queue_time_seconds_count"  # observed as the worker takes a job from the queue
+    try:
+        client = openai_client(url)
+        hold = {"minillm_test_fault": {"stage": "admission", "hold_s": 120}}
+        threads, results, errors = in_threads(lambda p: stream_text(client, p, 40), [(PROMPTS[0],)])
+        wait_until(url, picked, 1)  # A was taken (it runs, or already ran)
+        more, held, held_errors = in_threads(lambda p: stream_text(client, p, 8, extra_body=hold), [(PROMPTS[1],)])
+        wait_until(url, picked, 2)  # B left the queue: the hook holds it until C arrives
+        c = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 8})
+        for t in threads + more:
+            t.join()
+        after = metrics(url)
+    finally:
+        stop(proc)
+    assert errors == {} and held_errors == {}, (errors, held_errors)
+    assert results[0][1] == "length" and held[0][1] == "length"  # A and B answered in full (200)
+    assert c.status_code == 429 and c.headers["retry-after"] == "1", c.text
+    assert c.json() == {"error": {"message": "server busy: 1 request is already waiting; retry after 1 s",
+                                  "type": "rate_limit_error", "param": None, "code": "queue_full"}}  # fmt: skip
+    assert after["minillm_request_rejected_total"] == 1
+    assert after["minillm_request_finished_total{reason=max new tokens}"] == 2
+
+
+def test_the_fault_field_is_refused_without_the_flag(tmp_path, calibration):
+    proc, url, _ = start(tmp_path, calibration)
+    try:
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                                      "minillm_test_fault": {"stage": "sampler"}})  # fmt: skip
+    finally:
+        stop(proc)
+    assert r.status_code == 400 and "--test-faults" in r.json()["error"]["message"]
+
+
+# --- soak -------------------------------------------------------------------------------------------
+def test_a_300_request_soak_leaks_no_blocks_threads_or_descriptors(tmp_path, calibration):
+    """benchmarks/soak.py at 300 requests: counts only (blocks in use 0 after every phase, the
+    request table empty, threads and fds as after the first phase, no 5xx but the injected ones)."""
+    import os
+
+    out = tmp_path / "soak.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--requests", "300", "--phase", "100",
+                          "--rss-growth", "1.0", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "MINILLM_CALIBRATION": str(calibration)}, timeout=1800)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    assert [r["blocks_used"] for r in result["phases"]] == [0, 0, 0]
+    assert [r["tracked"] for r in result["phases"]] == [0, 0, 0]
+    first = result["phases"][0]
+    counts = [(r["threads"], r["fds"]) for r in result["phases"]]
+    assert all(r["threads"] <= first["threads"] for r in result["phases"]), counts
+    # one descriptor more than after the first phase is a client connection still closing (the soak's
+    # own verdict, which passed above, also allows the count before the first request); a leak adds one
+    # per cancelled or failed request: 10 a phase
+    assert all(r["fds"] <= first["fds"] + 1 for r in result["phases"]), counts
+    assert sum(result["outcomes"].values()) == 300
+    assert not [k for k in result["outcomes"] if "5xx" in k and not k.startswith("fault")]
+    assert result["exit"] == 0
+
+
+# --- faults, backpressure, limits: one server, last (the tests above start servers of their own; a module
+# fixture lives until the module ends, so one started earlier would run beside each of theirs) -----------
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory, calibration):
     proc, url, log = start(tmp_path_factory.mktemp("faults"), calibration, "--test-faults", "--stream-buffer", "8")
@@ -391,77 +466,3 @@ def test_limits_refuse_in_openai_shape_before_model_work(fault_server):
         key = f"minillm_request_refused_at_admission_total{{reason={reason}}}"
         assert after[key] - before.get(key, 0) == 1
     assert after["minillm_prompt_tokens_total"] == before["minillm_prompt_tokens_total"]
-
-
-# --- --max-queue while a job is being admitted (issue 41) ------------------------------------------
-def wait_until(url: str, name: str, at_least: float, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while metrics(url).get(name, 0) < at_least:
-        assert time.monotonic() < deadline, f"{name} never reached {at_least}"
-        time.sleep(0.02)
-
-
-@pytest.mark.parametrize("several", [(), ("--keep-alive", "-1")], ids=["one-model", "several-model"])
-def test_a_request_being_admitted_counts_against_max_queue(tmp_path, calibration, several):
-    """--max-num-seqs 1 --max-queue 1, three requests. A runs; B has left the queue, is prepared and
-    not yet in the scheduler (the test hook holds it there until another request arrives); C comes:
-    B is the one request allowed to wait, so C gets 429. (B was counted nowhere: C was queued and
-    answered 200, one request too many.) The several-model server's slots are the same worker."""
-    proc, url, log = start(tmp_path, calibration, "--test-faults", "--max-queue", "1", "--max-num-seqs", "1", *several)
-    picked = "minillm_request_queue_time_seconds_count"  # observed as the worker takes a job from the queue
-    try:
-        client = openai_client(url)
-        hold = {"minillm_test_fault": {"stage": "admission", "hold_s": 120}}
-        threads, results, errors = in_threads(lambda p: stream_text(client, p, 40), [(PROMPTS[0],)])
-        wait_until(url, picked, 1)  # A was taken (it runs, or already ran)
-        more, held, held_errors = in_threads(lambda p: stream_text(client, p, 8, extra_body=hold), [(PROMPTS[1],)])
-        wait_until(url, picked, 2)  # B left the queue: the hook holds it until C arrives
-        c = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 8})
-        for t in threads + more:
-            t.join()
-        after = metrics(url)
-    finally:
-        stop(proc)
-    assert errors == {} and held_errors == {}, (errors, held_errors)
-    assert results[0][1] == "length" and held[0][1] == "length"  # A and B answered in full (200)
-    assert c.status_code == 429 and c.headers["retry-after"] == "1", c.text
-    assert c.json() == {"error": {"message": "server busy: 1 request is already waiting; retry after 1 s",
-                                  "type": "rate_limit_error", "param": None, "code": "queue_full"}}  # fmt: skip
-    assert after["minillm_request_rejected_total"] == 1
-    assert after["minillm_request_finished_total{reason=max new tokens}"] == 2
-
-
-def test_the_fault_field_is_refused_without_the_flag(tmp_path, calibration):
-    proc, url, _ = start(tmp_path, calibration)
-    try:
-        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
-                                                      "minillm_test_fault": {"stage": "sampler"}})  # fmt: skip
-    finally:
-        stop(proc)
-    assert r.status_code == 400 and "--test-faults" in r.json()["error"]["message"]
-
-
-# --- soak -------------------------------------------------------------------------------------------
-def test_a_300_request_soak_leaks_no_blocks_threads_or_descriptors(tmp_path, calibration):
-    """benchmarks/soak.py at 300 requests: counts only (blocks in use 0 after every phase, the
-    request table empty, threads and fds as after the first phase, no 5xx but the injected ones)."""
-    import os
-
-    out = tmp_path / "soak.json"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--requests", "300", "--phase", "100",
-                          "--rss-growth", "1.0", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "MINILLM_CALIBRATION": str(calibration)}, timeout=1800)  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr
-    result = json.loads(out.read_text())
-    assert [r["blocks_used"] for r in result["phases"]] == [0, 0, 0]
-    assert [r["tracked"] for r in result["phases"]] == [0, 0, 0]
-    first = result["phases"][0]
-    counts = [(r["threads"], r["fds"]) for r in result["phases"]]
-    assert all(r["threads"] <= first["threads"] for r in result["phases"]), counts
-    # one descriptor more than after the first phase is a client connection still closing (the soak's
-    # own verdict, which passed above, also allows the count before the first request); a leak adds one
-    # per cancelled or failed request: 10 a phase
-    assert all(r["fds"] <= first["fds"] + 1 for r in result["phases"]), counts
-    assert sum(result["outcomes"].values()) == 300
-    assert not [k for k in result["outcomes"] if "5xx" in k and not k.startswith("fault")]
-    assert result["exit"] == 0
