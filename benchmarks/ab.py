@@ -6,8 +6,13 @@
 
 Why one process and alternation: on a shared machine the speed of memory and of the BLAS drifts
 from one minute to the next, so two runs minutes apart compare the minutes, not the code. Here
-both versions load the same model folder, and each round times the earlier version then this
-one, back to back; the medians of the rounds are compared.
+both versions load the same model folder, and each round times both, back to back, the earlier
+version first in even rounds and this one first in odd rounds; the medians of the rounds are compared.
+
+The harness's own bias, measured: ``--before HEAD`` times this checkout against an exported copy
+of itself (A/A: every ratio should be 1 up to noise), and ``--load-after-first`` loads this
+checkout's model before the earlier one's (where each copy of the weights lands in memory can
+change a product's speed by itself).
 
 The earlier version is exported with ``git archive`` into a temporary folder as the package
 ``minillm_before`` (its ``minillm`` imports rewritten), so both import side by side. Results
@@ -140,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=64, help="positions in the cache while decoding")
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--plain", action="store_true", help="also time this checkout's plain kernels")
+    parser.add_argument(
+        "--load-after-first",
+        action="store_true",
+        help="load this checkout's model before the earlier one's (the load order's own effect)",
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"where to write results ({DEFAULT_JSON})")
     args = parser.parse_args(argv)
 
@@ -148,13 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         before = importlib.import_module(export_before(args.before, Path(tmp)))
         import minillm as after
 
-        models = {"before": before.load(args.model, progress=False), "after": after.load(args.model, progress=False)}
         modules = {"before": before, "after": after}
+        load_order = ("after", "before") if args.load_after_first else ("before", "after")
+        loaded = {name: modules[name].load(args.model, progress=False) for name in load_order}
+        models = {name: loaded[name] for name in ("before", "after")}
         if args.plain:
             models["after_plain"], modules["after_plain"] = plain_twin(models["after"]), after
         times: dict[str, dict[str, list[float]]] = {k: {f: [] for f in FIGURES} for k in models}
-        for _ in range(args.rounds):
-            for name in models:
+        for r in range(args.rounds):
+            for name in list(models) if r % 2 == 0 else list(models)[::-1]:  # who goes first alternates
                 m, model = modules[name], models[name]
                 times[name]["decode_s"].append(time_decode(m, model, args.steps, args.context))
                 times[name]["prefill_s"].append(time_prefill(m, model, args.prefill_tokens))
@@ -166,12 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         "before": args.before,
         "blas": blas_pools(),
         "rounds": args.rounds,
+        "load_order": list(load_order),
         "steps": args.steps,
         "context": args.context,
         "prefill_tokens": args.prefill_tokens,
         "times": times,
     }
     print("BLAS:", ", ".join(f"{p['internal_api']} {p['architecture']} x{p['num_threads']}" for p in report["blas"]))
+    print(f"{args.before} against this checkout, loaded {' then '.join(load_order)}, {args.rounds} rounds")
     for figure in FIGURES:
         b, a = statistics.median(times["before"][figure]), statistics.median(times["after"][figure])
         report[figure] = {"before": b, "after": a, "after_over_before": a / b}
