@@ -9,10 +9,11 @@ from one minute to the next, so two runs minutes apart compare the minutes, not 
 both versions load the same model folder, and each round times both, back to back, the earlier
 version first in even rounds and this one first in odd rounds; the medians of the rounds are compared.
 
-The harness's own bias, measured: ``--before HEAD`` times this checkout against an exported copy
-of itself (A/A: every ratio should be 1 up to noise), and ``--load-after-first`` loads this
-checkout's model before the earlier one's (where each copy of the weights lands in memory can
-change a product's speed by itself).
+Where each copy of the weights lands in memory can change a product's speed by itself, so by
+default the whole comparison runs twice, once with each version's model loaded first, and the
+ratio reported is the geometric mean of the two (each order's ratio is printed beside it). The
+harness's own bias, measured: ``--before HEAD`` times this checkout against an exported copy of
+itself (A/A: every ratio should be 1 up to noise).
 
 The earlier version is exported with ``git archive`` into a temporary folder as the package
 ``minillm_before`` (its ``minillm`` imports rewritten), so both import side by side. Results
@@ -136,22 +137,61 @@ ROWS = (2, 8, 64)  # single-sequence passes the few-rows products may serve
 FIGURES = ("decode_s", "prefill_s", "batch8_s", "batch32_s", *(f"rows{n}_s" for n in ROWS))
 
 
+def time_round(m, model, args) -> dict[str, float]:
+    """One round of every figure for one version: ``{figure: seconds}``."""
+    out = {
+        "decode_s": time_decode(m, model, args.steps, args.context),
+        "prefill_s": time_prefill(m, model, args.prefill_tokens),
+        "batch8_s": time_batch(m, model, 8, 8, args.context),
+        "batch32_s": time_batch(m, model, 32, 8, args.context),
+    }
+    for n in ROWS:
+        out[f"rows{n}_s"] = time_rows(m, model, n, args.context)
+    return out
+
+
+def run_order(modules: dict, load_order: tuple[str, ...], args) -> dict[str, dict[str, list[float]]]:
+    """Load both versions' models in ``load_order``, then time ``args.rounds`` alternating rounds:
+    ``{version: {figure: [seconds per round]}}``. The models are freed before returning."""
+    import gc
+
+    loaded = {name: modules[name].load(args.model, progress=False) for name in load_order}
+    models = {name: loaded[name] for name in ("before", "after")}
+    if args.plain:
+        models["after_plain"] = plain_twin(models["after"])
+    times: dict[str, dict[str, list[float]]] = {k: {f: [] for f in FIGURES} for k in models}
+    for r in range(args.rounds):
+        for name in list(models) if r % 2 == 0 else list(models)[::-1]:  # who goes first alternates
+            m = modules["after" if name == "after_plain" else name]
+            for figure, seconds in time_round(m, models[name], args).items():
+                times[name][figure].append(seconds)
+    del loaded, models
+    gc.collect()
+    return times
+
+
+ORDERS = {"before-first": ("before", "after"), "after-first": ("after", "before")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True, help="the earlier git revision (e.g. HEAD~3 or a commit)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (default 7)")
+    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds per load order (default 7)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per round (default 32)")
     parser.add_argument("--context", type=int, default=64, help="positions in the cache while decoding")
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--plain", action="store_true", help="also time this checkout's plain kernels")
     parser.add_argument(
-        "--load-after-first",
-        action="store_true",
-        help="load this checkout's model before the earlier one's (the load order's own effect)",
+        "--load-order",
+        choices=("both", *ORDERS),
+        default="both",
+        help="which version's model is loaded first; 'both' (default) runs each order in turn and "
+        "reports the geometric mean of the two ratios, so where the weights land cancels out",
     )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"where to write results ({DEFAULT_JSON})")
     args = parser.parse_args(argv)
+    orders = list(ORDERS) if args.load_order == "both" else [args.load_order]
 
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, tmp)
@@ -159,40 +199,35 @@ def main(argv: list[str] | None = None) -> int:
         import minillm as after
 
         modules = {"before": before, "after": after}
-        load_order = ("after", "before") if args.load_after_first else ("before", "after")
-        loaded = {name: modules[name].load(args.model, progress=False) for name in load_order}
-        models = {name: loaded[name] for name in ("before", "after")}
-        if args.plain:
-            models["after_plain"], modules["after_plain"] = plain_twin(models["after"]), after
-        times: dict[str, dict[str, list[float]]] = {k: {f: [] for f in FIGURES} for k in models}
-        for r in range(args.rounds):
-            for name in list(models) if r % 2 == 0 else list(models)[::-1]:  # who goes first alternates
-                m, model = modules[name], models[name]
-                times[name]["decode_s"].append(time_decode(m, model, args.steps, args.context))
-                times[name]["prefill_s"].append(time_prefill(m, model, args.prefill_tokens))
-                times[name]["batch8_s"].append(time_batch(m, model, 8, 8, args.context))
-                times[name]["batch32_s"].append(time_batch(m, model, 32, 8, args.context))
-                for n in ROWS:
-                    times[name][f"rows{n}_s"].append(time_rows(m, model, n, args.context))
+        by_order = {order: run_order(modules, ORDERS[order], args) for order in orders}
     report = {
         "before": args.before,
         "blas": blas_pools(),
         "rounds": args.rounds,
-        "load_order": list(load_order),
+        "load_orders": orders,
         "steps": args.steps,
         "context": args.context,
         "prefill_tokens": args.prefill_tokens,
-        "times": times,
+        "times": by_order,
     }
     print("BLAS:", ", ".join(f"{p['internal_api']} {p['architecture']} x{p['num_threads']}" for p in report["blas"]))
-    print(f"{args.before} against this checkout, loaded {' then '.join(load_order)}, {args.rounds} rounds")
+    print(f"{args.before} against this checkout, {args.rounds} rounds per load order ({', '.join(orders)})")
+    print(f"{'':10s} " + "  ".join(f"{o:>12s}" for o in orders) + "   after / before (geometric mean)")
     for figure in FIGURES:
-        b, a = statistics.median(times["before"][figure]), statistics.median(times["after"][figure])
-        report[figure] = {"before": b, "after": a, "after_over_before": a / b}
-        line = f"{figure:10s} before {b * 1e3:8.2f} ms   after {a * 1e3:8.2f} ms   after / before {a / b:.3f}"
-        if "after_plain" in times:
-            p = report[figure]["after_plain"] = statistics.median(times["after_plain"][figure])
-            line += f"   plain {p * 1e3:8.2f} ms ({p / b:.3f})"
+        ratios = {}
+        for order, times in by_order.items():
+            b, a = statistics.median(times["before"][figure]), statistics.median(times["after"][figure])
+            ratios[order] = a / b
+        mean = statistics.geometric_mean(ratios.values())
+        report[figure] = {"after_over_before": mean, "by_load_order": ratios}
+        line = f"{figure:10s} " + "  ".join(f"{ratios[o]:12.3f}" for o in orders) + f"   {mean:.3f}"
+        if args.plain:
+            plain = {
+                o: statistics.median(t["after_plain"][figure]) / statistics.median(t["before"][figure])
+                for o, t in by_order.items()
+            }
+            report[figure]["plain_over_before"] = statistics.geometric_mean(plain.values())
+            line += f"   plain / before {report[figure]['plain_over_before']:.3f}"
         print(line)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))

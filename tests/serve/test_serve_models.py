@@ -63,29 +63,15 @@ def alone(tmp_path_factory):
     return out
 
 
-def test_one_model_budget_a_b_a_gives_2_evictions_3_loads_and_the_same_answers(tmp_path, alone):
-    with running_server(tmp_path, *SMALL, "--model", B, "--memory-budget", ONE_MODEL_BUDGET, model=A) as (url, log):
+def test_a_budget_for_both_evicts_nothing(tmp_path, alone):
+    with running_server(tmp_path, *SMALL, "--model", B, "--memory-budget", "1500MiB", model=A) as (url, _):
+        answers = [ask(url, m)["choices"][0]["message"]["content"] for m in (A, B, A, B)]
+        assert answers == [alone[A], alone[B], alone[A], alone[B]]
+        assert loads(url) == 2 and evictions(url) == 0
+        cards = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
+        assert [cards[A]["state"], cards[B]["state"]] == ["loaded", "loaded"]
         planned, measured = plan_vs_rss(url)
         assert abs(measured - planned) / planned < 0.10, (planned, measured)
-        answers = []
-        for model in (A, B, A):
-            r = ask(url, model)
-            answers.append(r["choices"][0]["message"]["content"])
-            assert r["model"] == model
-            planned, measured = plan_vs_rss(url)  # after each load: the RSS within 10 % of the plan
-            assert abs(measured - planned) / planned < 0.10, (model, planned, measured)
-        assert answers == [alone[A], alone[B], alone[A]]
-        assert loads(url) == 3 and evictions(url) == 2
-        m = metrics(url)
-        assert m[f"minillm_model_evictions_total{{model={A},reason=memory budget}}"] == 1
-        assert m[f"minillm_model_evictions_total{{model={B},reason=memory budget}}"] == 1
-        assert m["minillm_model_switches_total"] == 2
-        assert log.read_text().count("evicted") == 2
-        assert f"evicted {A} (memory budget: to load {B})" in " ".join(log.read_text().split())
-        # B's request waited for B's load: its usage says how long and its trace shows the phase
-        cards = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
-        assert cards[A]["state"] == "loaded" and cards[B]["state"] == "unloaded"
-        assert cards[B]["resident_bytes"] == 0 and cards[A]["weight_dtype"] == "float32"
 
 
 GEMMA, GEMMA_INT8 = "gemma3-270m", "gemma3-270m:int8"
@@ -111,74 +97,6 @@ def test_gemma3_resident_bytes_within_10_percent_of_the_plan_at_float32_and_int8
         assert plan["weights"] == {"int8": 269_588_480, "float32": 223_744}
 
 
-def test_the_trace_shows_the_load_and_usage_carries_load_s(tmp_path):
-    with running_server(tmp_path, *SMALL, "--model", B, "--memory-budget", ONE_MODEL_BUDGET, model=A) as (url, _):
-        assert ask(url, A)["usage"]["load_s"] == 0.0  # A was loaded at startup
-        r = ask(url, B)
-        assert r["usage"]["load_s"] > 0
-        events = httpx.get(url + f"/v1/traces/{r['id']}").json()["events"]
-        assert events[0]["phase"] == "model_load"
-        assert events[0]["data"]["evicted"] == [{"model": A, "reason": "memory budget"}]
-        assert set(events[0]["data"]["seconds"]) == {"read", "convert", "other", "kv_pool", "warmup"}
-
-
-def test_a_budget_for_both_evicts_nothing(tmp_path, alone):
-    with running_server(tmp_path, *SMALL, "--model", B, "--memory-budget", "1500MiB", model=A) as (url, _):
-        answers = [ask(url, m)["choices"][0]["message"]["content"] for m in (A, B, A, B)]
-        assert answers == [alone[A], alone[B], alone[A], alone[B]]
-        assert loads(url) == 2 and evictions(url) == 0
-        cards = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
-        assert [cards[A]["state"], cards[B]["state"]] == ["loaded", "loaded"]
-        planned, measured = plan_vs_rss(url)
-        assert abs(measured - planned) / planned < 0.10, (planned, measured)
-
-
-def test_a_running_stream_is_never_cut_by_a_switch(tmp_path, alone):
-    with running_server(tmp_path, *SMALL, "--model", B, "--memory-budget", ONE_MODEL_BUDGET, model=A) as (url, _):
-        order, texts = [], {}
-        body = {"model": A, "messages": [{"role": "user", "content": QUESTIONS[A]}], "max_tokens": 120}
-        body |= {"temperature": 0, "stream": True}
-
-        def b_request():
-            texts[B] = ask(url, B)["choices"][0]["message"]["content"]
-            order.append(B)
-
-        chunks = []
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
-            started = None
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    import json
-
-                    delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
-                    chunks.append(delta or "")
-                    if started is None and delta:  # A is streaming: now B arrives
-                        started = threading.Thread(target=b_request)
-                        started.start()
-        order.append(A)
-        started.join(timeout=300)
-        assert "".join(chunks) == alone[A + " long"]
-        assert order == [A, B] and texts[B] == alone[B]
-        assert evictions(url) == 1
-
-
-def test_unknown_model_and_too_long_requests(tmp_path):
-    with running_server(tmp_path, *SMALL, "--model", B, "--memory-budget", ONE_MODEL_BUDGET, model=A) as (url, _):
-        body = {"model": "llama-9000", "messages": [{"role": "user", "content": "hi"}]}
-        r = httpx.post(url + "/v1/chat/completions", json=body)
-        assert r.status_code == 404
-        assert f"'{A}', '{B}'" in r.json()["error"]["message"]
-        body = {"model": B, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}
-        r = httpx.post(url + "/v1/chat/completions", json=body)  # B unloaded: refused from its plan alone
-        assert r.status_code == 400
-        assert "max_tokens is 600 but the context holds 512 positions" in r.json()["error"]["message"]
-        assert loads(url) == 1
-        plan = httpx.get(url + f"/v1/models/{B}/plan").json()
-        assert plan["context"] == 512 and plan["kv_tokens"] == 720  # 32 MiB // (16 x 46,080 B) = 45 blocks
-        assert plan["kv_line"] == "KV cache: 720 tokens, maximum concurrency at context 512: 1.41x"
-        assert httpx.get(url + "/v1/models/llama-9000/plan").status_code == 404
-
-
 def serve_cli(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "minillm", "serve", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
@@ -199,13 +117,125 @@ def test_a_budget_smaller_than_the_smallest_model_is_refused_naming_both_sizes()
     assert f"{A} (float32) needs" in text and "weights 513.1 MiB" in text
 
 
-def test_bench_alternate_switches_every_request_sticky_once(tmp_path):
+@pytest.fixture(scope="module")
+def switching(tmp_path_factory):
+    """One server for the module's switching tests (A loaded at startup, B listed, a budget for one):
+    started once, after the tests that start servers of their own, so it never runs beside them.
+    Each test first puts A in memory (:func:`a_loaded`) and asserts what its own requests changed."""
+    flags = (*SMALL, "--model", B, "--memory-budget", ONE_MODEL_BUDGET)
+    with running_server(tmp_path_factory.mktemp("switching"), *flags, model=A) as (url, log):
+        yield url, log
+
+
+def a_loaded(url: str, log) -> tuple[dict, int]:
+    """Make A the loaded model (a one-token request to it; loads it only if B is in memory), then
+    return /metrics and the log's length: the baseline a test's differences start from."""
+    body = {"model": A, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
+    assert httpx.post(url + "/v1/chat/completions", json=body, timeout=300).status_code == 200
+    cards = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
+    assert [cards[A]["state"], cards[B]["state"]] == ["loaded", "unloaded"]
+    return metrics(url), len(log.read_text())
+
+
+def changed(url: str, before: dict, prefix: str) -> float:
+    """How much the samples of /metrics whose names start with ``prefix`` grew since ``before``."""
+    now = metrics(url)
+    return sum(v - before.get(k, 0.0) for k, v in now.items() if k.startswith(prefix))
+
+
+def test_unknown_model_and_too_long_requests(switching):
+    url, log = switching
+    before, _ = a_loaded(url, log)
+    body = {"model": "llama-9000", "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(url + "/v1/chat/completions", json=body)
+    assert r.status_code == 404
+    assert f"'{A}', '{B}'" in r.json()["error"]["message"]
+    body = {"model": B, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}
+    r = httpx.post(url + "/v1/chat/completions", json=body)  # B unloaded: refused from its plan alone
+    assert r.status_code == 400
+    assert "max_tokens is 600 but the context holds 512 positions" in r.json()["error"]["message"]
+    assert changed(url, before, "minillm_model_loads_total") == 0  # neither refusal loaded B
+    plan = httpx.get(url + f"/v1/models/{B}/plan").json()
+    assert plan["context"] == 512 and plan["kv_tokens"] == 720  # 32 MiB // (16 x 46,080 B) = 45 blocks
+    assert plan["kv_line"] == "KV cache: 720 tokens, maximum concurrency at context 512: 1.41x"
+    assert httpx.get(url + "/v1/models/llama-9000/plan").status_code == 404
+
+
+def test_one_model_budget_a_b_a_gives_2_evictions_2_loads_and_the_same_answers(switching, alone):
+    url, log = switching
+    before, log_start = a_loaded(url, log)
+    planned, measured = plan_vs_rss(url)
+    assert abs(measured - planned) / planned < 0.10, (planned, measured)
+    answers = []
+    for model in (A, B, A):  # A is in memory: B's request evicts it, the last A's evicts B
+        r = ask(url, model)
+        answers.append(r["choices"][0]["message"]["content"])
+        assert r["model"] == model
+        planned, measured = plan_vs_rss(url)  # after each load: the RSS within 10 % of the plan
+        assert abs(measured - planned) / planned < 0.10, (model, planned, measured)
+    assert answers == [alone[A], alone[B], alone[A]]
+    assert changed(url, before, "minillm_model_loads_total") == 2
+    assert changed(url, before, "minillm_model_evictions_total") == 2
+    assert changed(url, before, f"minillm_model_evictions_total{{model={A},reason=memory budget}}") == 1
+    assert changed(url, before, f"minillm_model_evictions_total{{model={B},reason=memory budget}}") == 1
+    assert changed(url, before, "minillm_model_switches_total") == 2
+    new_log = log.read_text()[log_start:]
+    assert new_log.count("evicted") == 2
+    assert f"evicted {A} (memory budget: to load {B})" in " ".join(new_log.split())
+    cards = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
+    assert cards[A]["state"] == "loaded" and cards[B]["state"] == "unloaded"
+    assert cards[B]["resident_bytes"] == 0 and cards[A]["weight_dtype"] == "float32"
+
+
+def test_the_trace_shows_the_load_and_usage_carries_load_s(switching):
+    url, log = switching
+    a_loaded(url, log)
+    assert ask(url, A)["usage"]["load_s"] == 0.0  # A is in memory: nothing to load
+    r = ask(url, B)
+    assert r["usage"]["load_s"] > 0
+    events = httpx.get(url + f"/v1/traces/{r['id']}").json()["events"]
+    assert events[0]["phase"] == "model_load"
+    assert events[0]["data"]["evicted"] == [{"model": A, "reason": "memory budget"}]
+    assert set(events[0]["data"]["seconds"]) == {"read", "convert", "other", "kv_pool", "warmup"}
+
+
+def test_a_running_stream_is_never_cut_by_a_switch(switching, alone):
+    url, log = switching
+    before, _ = a_loaded(url, log)
+    order, texts = [], {}
+    body = {"model": A, "messages": [{"role": "user", "content": QUESTIONS[A]}], "max_tokens": 120}
+    body |= {"temperature": 0, "stream": True}
+
+    def b_request():
+        texts[B] = ask(url, B)["choices"][0]["message"]["content"]
+        order.append(B)
+
+    chunks = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+        started = None
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                import json
+
+                delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                chunks.append(delta or "")
+                if started is None and delta:  # A is streaming: now B arrives
+                    started = threading.Thread(target=b_request)
+                    started.start()
+    order.append(A)
+    started.join(timeout=300)
+    assert "".join(chunks) == alone[A + " long"]
+    assert order == [A, B] and texts[B] == alone[B]
+    assert changed(url, before, "minillm_model_evictions_total") == 1  # A's, for B, after A's stream
+
+
+def test_bench_alternate_switches_every_request_sticky_once(tmp_path, switching):
+    url, _ = switching
     out = tmp_path / "switch.json"
-    with running_server(tmp_path, *SMALL, "--model", B, "--memory-budget", ONE_MODEL_BUDGET, model=A) as (url, _):
-        cmd = [sys.executable, "-m", "minillm", "bench", "--url", url, "--models", f"{A},{B}",
-               "--pattern", "alternate,sticky", "--requests", "4", "--prompt-tokens", "16", "--max-tokens", "4",
-               "--json", str(out)]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "160"})
+    cmd = [sys.executable, "-m", "minillm", "bench", "--url", url, "--models", f"{A},{B}",
+           "--pattern", "alternate,sticky", "--requests", "4", "--prompt-tokens", "16", "--max-tokens", "4",
+           "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "160"})
     assert done.returncode == 0, done.stdout + done.stderr
     import json
 
@@ -214,4 +244,3 @@ def test_bench_alternate_switches_every_request_sticky_once(tmp_path):
     assert [r["model"] for r in patterns["alternate"]["per_request"]] == [A, B, A, B]
     assert patterns["alternate"]["switches"] == 4 and patterns["alternate"]["evictions"] == 4
     assert patterns["sticky"]["switches"] == 2 and patterns["sticky"]["ok"] == 4
-
