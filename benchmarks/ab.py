@@ -170,6 +170,13 @@ def run_order(modules: dict, load_order: tuple[str, ...], args) -> dict[str, dic
     return times
 
 
+def over_before(by_order: dict, version: str, figure: str) -> dict[str, float]:
+    """``{load order: median seconds of version / median seconds of before}`` for one figure."""
+    return {
+        o: statistics.median(t[version][figure]) / statistics.median(t["before"][figure]) for o, t in by_order.items()
+    }
+
+
 ORDERS = {"before-first": ("before", "after"), "after-first": ("after", "before")}
 
 
@@ -214,18 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.before} against this checkout, {args.rounds} rounds per load order ({', '.join(orders)})")
     print(f"{'':10s} " + "  ".join(f"{o:>12s}" for o in orders) + "   after / before (geometric mean)")
     for figure in FIGURES:
-        ratios = {}
-        for order, times in by_order.items():
-            b, a = statistics.median(times["before"][figure]), statistics.median(times["after"][figure])
-            ratios[order] = a / b
+        ratios = over_before(by_order, "after", figure)
         mean = statistics.geometric_mean(ratios.values())
         report[figure] = {"after_over_before": mean, "by_load_order": ratios}
         line = f"{figure:10s} " + "  ".join(f"{ratios[o]:12.3f}" for o in orders) + f"   {mean:.3f}"
         if args.plain:
-            plain = {
-                o: statistics.median(t["after_plain"][figure]) / statistics.median(t["before"][figure])
-                for o, t in by_order.items()
-            }
+            plain = over_before(by_order, "after_plain", figure)
             report[figure]["plain_over_before"] = statistics.geometric_mean(plain.values())
             line += f"   plain / before {report[figure]['plain_over_before']:.3f}"
         print(line)

@@ -34,12 +34,17 @@ def ask(url: str, model: str, max_tokens: int = 16) -> dict:
     return r.json()
 
 
+def summed(samples: dict[str, float], prefix: str) -> float:
+    """The sum of the /metrics samples whose names (labels included) start with ``prefix``."""
+    return sum(v for k, v in samples.items() if k.startswith(prefix))
+
+
 def evictions(url: str) -> float:
-    return sum(v for k, v in metrics(url).items() if k.startswith("minillm_model_evictions_total"))
+    return summed(metrics(url), "minillm_model_evictions_total")
 
 
 def loads(url: str) -> float:
-    return sum(v for k, v in metrics(url).items() if k.startswith("minillm_model_loads_total"))
+    return summed(metrics(url), "minillm_model_loads_total")
 
 
 def plan_vs_rss(url: str) -> tuple[float, float]:
@@ -139,8 +144,7 @@ def a_loaded(url: str, log) -> tuple[dict, int]:
 
 def changed(url: str, before: dict, prefix: str) -> float:
     """How much the samples of /metrics whose names start with ``prefix`` grew since ``before``."""
-    now = metrics(url)
-    return sum(v - before.get(k, 0.0) for k, v in now.items() if k.startswith(prefix))
+    return summed(metrics(url), prefix) - summed(before, prefix)
 
 
 def test_unknown_model_and_too_long_requests(switching):
