@@ -10,6 +10,9 @@
     minillm calibrate                               # measure this machine again (the diagnosis's rates)
     minillm serve                                   # an OpenAI-compatible server (minillm/serve, extra: serve)
     minillm bench --url http://127.0.0.1:8000 --concurrency 1,2,4   # a load generator: a client (bench.py)
+    minillm exercises start my_units                # your turn: stubs of the textbook's units
+    minillm exercises check --dir my_units          # graded against the textbook, then inside SmolLM2
+    minillm run --units my_units "The capital of France is"   # the request on your units
 
 Errors minillm raises on purpose (``MiniLLMError``) print as one clear message, no traceback
 (``--debug`` shows it), and exit with status 2.
@@ -29,6 +32,7 @@ from rich.table import Table
 
 from minillm.cli.cache import add_cache_command, run_cache
 from minillm.cli.chat import run_conversation
+from minillm.cli.exercises import add_exercises_command
 from minillm.cli.options import add_request_args, bare_verbosity
 from minillm.cli.request import run_request
 from minillm.errors import MiniLLMError
@@ -52,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_commands(sub)
     _add_bench_command(sub)
     add_cache_command(sub)
+    add_exercises_command(sub)
     cal = sub.add_parser(
         "calibrate",
         help="measure this machine's rates (bandwidth, GEMM, disk) again; the diagnosis compares each phase with them",
@@ -186,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_cache(args, console)
         if args.command == "chat" and args.prompt is None:
             return run_conversation(args, console)
-        if hasattr(args, "run_command"):  # serve (minillm/serve), bench (bench.py)
+        if hasattr(args, "run_command"):  # serve (minillm/serve), bench (bench.py), exercises
             return args.run_command(args)
         return run_request(args, console)
     except MiniLLMError as exc:

@@ -156,6 +156,8 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
         default="tuned",
         help="the forward's products and attention: tuned (minillm/kernels, default) or plain (minillm/model)",
     )
+    units = "your exercises folder (minillm exercises start DIR): its started units replace the textbook's"
+    p.add_argument("--units", metavar="DIR", help=units + " in the plain kernels; the trace's load section names them")
     p.add_argument(
         "--kv-dtype",
         choices=("float32", "float16", "int8"),

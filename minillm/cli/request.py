@@ -108,6 +108,7 @@ def load_for(args: argparse.Namespace, tracer):
         threads=args.threads,
         weight_dtype=args.weight_dtype,
         kernels=args.kernels,
+        units=args.units,
     )
     if args.command == "chat" and not model.tokenizer.chat_template:
         raise no_chat_template(model.name, args.model)

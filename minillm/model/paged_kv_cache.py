@@ -53,6 +53,34 @@ def blocks_for(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
 
 
+def slots(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Pool slots of ``positions``: ``table[p // block_size] * block_size + p % block_size``, int64.
+
+    ``table`` is one sequence's block table ``[blocks]`` (``positions`` ``[n]`` of it), or one table per
+    row ``[g, blocks]`` (``positions`` ``[g]``: one position of each row's sequence). Slot ``s`` is
+    position ``s % block_size`` of block ``s // block_size``: the pool's keys are ``[n_blocks *
+    block_size]`` slots long (vLLM's ``slot_mapping``).
+    """
+    blocks = (
+        table[positions // block_size] if table.ndim == 1 else table[np.arange(len(table)), positions // block_size]
+    )
+    return blocks * block_size + positions % block_size
+
+
+def block_hashes(token_ids, block_size: int, n_blocks: int | None = None, identity: bytes = b"") -> list[bytes]:
+    """Chained hashes of the first ``n_blocks`` full blocks of ``token_ids`` (default: all full blocks):
+    ``h_j = blake2b(h_{j-1} || ids of block j as int64, digest_size=16)``, ``h_{-1} = identity`` (bytes
+    naming what else the keys and values depend on; empty by default). Each hash names a block *and
+    everything before it*: two prompts share block ``j``'s keys only if they share blocks ``0..j``."""
+    n = len(token_ids) // block_size if n_blocks is None else n_blocks
+    ids = np.asarray(token_ids[: n * block_size], dtype=np.int64)
+    hashes, prev = [], identity
+    for j in range(n):
+        prev = hashlib.blake2b(prev + ids[j * block_size : (j + 1) * block_size].tobytes(), digest_size=16).digest()
+        hashes.append(prev)
+    return hashes
+
+
 class KVCachePool:
     """Keys and values for many sequences, in ``num_blocks`` blocks of ``block_size`` positions.
 
@@ -133,14 +161,8 @@ class KVCachePool:
 
     # --- addresses: where a position's key and value live -----------------------------------------
     def slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Pool slots of ``positions``: ``table[p // block_size] * block_size + p % block_size``, int64.
-
-        ``table`` is one sequence's block table ``[blocks]`` (``positions`` ``[n]`` of it), or one
-        table per row ``[g, blocks]`` (``positions`` ``[g]``: one position of each row's sequence).
-        """
-        bs = self.block_size
-        blocks = table[positions // bs] if table.ndim == 1 else table[np.arange(len(table)), positions // bs]
-        return blocks * bs + positions % bs
+        """Pool slots of ``positions`` in this pool (:func:`slots`; shapes there), int64."""
+        return slots(table, positions, self.block_size)
 
     def padded_tables(self, sequences: list[PagedSequence], lengths: np.ndarray) -> np.ndarray:
         """Each sequence's first ``blocks_for(lengths[r])`` blocks, one row per sequence, padded with
@@ -185,17 +207,9 @@ class KVCachePool:
 
     # --- prefix caching ------------------------------------------------------------------------------
     def block_hashes(self, token_ids, n_blocks: int | None = None, identity: bytes = b"") -> list[bytes]:
-        """Chained hashes of the first ``n_blocks`` full blocks of ``token_ids`` (default: all full
-        blocks): ``h_j = blake2b(h_{j-1} || ids of block j as int64)``, ``h_{-1} = identity``
-        (bytes naming what else the keys and values depend on; empty by default)."""
-        bs = self.block_size
-        n = len(token_ids) // bs if n_blocks is None else n_blocks
-        ids = np.asarray(token_ids[: n * bs], dtype=np.int64)
-        hashes, prev = [], identity
-        for j in range(n):
-            prev = hashlib.blake2b(prev + ids[j * bs : (j + 1) * bs].tobytes(), digest_size=16).digest()
-            hashes.append(prev)
-        return hashes
+        """Chained hashes of the first ``n_blocks`` full blocks of ``token_ids`` in this pool's blocks
+        (:func:`block_hashes`)."""
+        return block_hashes(token_ids, self.block_size, n_blocks, identity)
 
     def cached_prefix(self, token_ids, identity: bytes = b"") -> list[int]:
         """The blocks holding the longest cached prefix of ``token_ids`` computed under ``identity``,

@@ -56,7 +56,7 @@ class ForwardPass:
         self.caches = [cache for _, cache in chunks]
         self.bounds = np.cumsum([0] + [len(positions) for positions, _ in chunks])  # chunk j: bounds[j]:bounds[j+1]
         self.rope = [{t: tables.rope(p, t) for t in tables.inv_freq} for p, _ in chunks]  # type -> (cos, sin)
-        self.masks = [tables.masks(len(p), int(p[0])) for p, _ in chunks]  # type -> [seq_j, ctx_j]
+        self.masks = [tables.masks(len(p), int(p[0]), kernels) for p, _ in chunks]  # type -> [seq_j, ctx_j]
         self.alone = list(range(len(chunks)))  # the sequences attended one at a time (all, here)
 
     def linear(self, x: np.ndarray, w: HeldMatrix, b: np.ndarray | None = None) -> np.ndarray:
@@ -86,14 +86,14 @@ class ForwardPass:
         written to the cache; attention over every filled position under the layer type's mask."""
         cfg, cache, layer_type = self.config, self.caches[j], self.layer_types[i]
         q, k, v = primitives.split_qkv(qkv, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        rot_q, rot_k = primitives.qk_norm_rope(q, k, q_norm, k_norm, cfg.norm_eps, self.rope[j].get(layer_type))
+        rot_q, rot_k = self.kernels.qk_norm_rope(q, k, q_norm, k_norm, cfg.norm_eps, self.rope[j].get(layer_type))
         # the cache keeps keys already rotated: a key's position never changes
         keys, values = (rot_k, v) if cache is None else cache.write(i, rot_k, v)  # [n_kv_heads, ctx, head_dim]
         mask = self.masks[j][layer_type]  # [seq, ctx]
         if self.capture is None:
             z = self.kernels.attention(rot_q, keys, values, mask, cfg.attn_scale)  # [n_heads, seq, head_dim]
         else:  # capture: the probabilities too, which only the one-call form has
-            z, pattern = primitives.attention(rot_q, keys, values, mask, cfg.attn_scale)
+            z, pattern = primitives.attention(rot_q, keys, values, mask, cfg.attn_scale, softmax=self.kernels.softmax)
             named = {"q": q, "k": k, "v": v, "rot_q": rot_q, "rot_k": rot_k, "pattern": pattern, "z": z}
             self.record(i, **{"attn." + name: value for name, value in named.items()})
         return primitives.merge_heads(z)  # [seq, n_heads * head_dim]

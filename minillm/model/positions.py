@@ -47,11 +47,13 @@ class PositionTables:
             cos, sin = self._tables[layer_type] = primitives.rope_tables(np.arange(size), self.inv_freq[layer_type])
         return cos[positions], sin[positions]
 
-    def masks(self, seq: int, start: int) -> dict[LayerType, np.ndarray]:
-        """The additive mask ``[seq, start + seq]`` per layer type present in this model."""
-        masks = {LayerType.FULL: primitives.causal_mask(seq, start + seq, offset=start)}
+    def masks(self, seq: int, start: int, units=primitives) -> dict[LayerType, np.ndarray]:
+        """The additive mask ``[seq, start + seq]`` per layer type present in this model, built by
+        ``units.causal_mask`` and ``units.sliding_window_mask`` (the textbook's ``primitives``, or a
+        forward pass's kernels: ``Kernels``, where a student's masks plug in)."""
+        masks = {LayerType.FULL: units.causal_mask(seq, start + seq, offset=start)}
         if LayerType.SLIDING in self.layer_types:
-            masks[LayerType.SLIDING] = primitives.sliding_window_mask(
+            masks[LayerType.SLIDING] = units.sliding_window_mask(
                 seq, start + seq, offset=start, window=self.config.sliding_window
             )
         return masks

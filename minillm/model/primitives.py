@@ -194,7 +194,7 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
 
 
 def attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float, *, softmax=softmax
 ) -> tuple[np.ndarray, np.ndarray]:
     """Scaled dot-product attention with grouped-query heads (GQA).
 
@@ -203,6 +203,8 @@ def attention(
         k, v: ``[n_kv_heads, ctx, head_dim]``, the cache's filled slice (past + this call).
         mask: ``[seq, ctx]`` additive mask from :func:`causal_mask` or :func:`sliding_window_mask`.
         scale: multiplies ``q . k``: ``head_dim ** -0.5``, or Gemma's ``query_pre_attn_scalar ** -0.5``.
+        softmax: the normalizer, called as ``softmax(scores, axis=-1, out=scores)``: the textbook's
+            :func:`softmax`; the seam hands a student's (``Kernels.attention``, the exercises).
 
     Returns:
         ``(z, pattern)``: ``z`` ``[n_heads, seq, head_dim]`` and the attention probabilities
@@ -245,11 +247,14 @@ def merge_heads(z: np.ndarray) -> np.ndarray:
     return z.transpose(1, 0, 2).reshape(seq, n_heads * head_dim)
 
 
-def qk_norm_rope(q: np.ndarray, k: np.ndarray, q_norm, k_norm, eps: float, rope) -> tuple[np.ndarray, np.ndarray]:
+def qk_norm_rope(
+    q: np.ndarray, k: np.ndarray, q_norm, k_norm, eps: float, rope, *, rms_norm=rms_norm, apply_rope=apply_rope
+) -> tuple[np.ndarray, np.ndarray]:
     """QK-norm, then RoPE, on queries and keys ``[..., heads, seq, head_dim]``.
 
     ``q_norm``, ``k_norm``: ``[head_dim]`` weights of each head's :func:`rms_norm` (Qwen 3, Gemma 3), None
     without QK-norm; ``rope``: (cos, sin) broadcasting to ``q`` and ``k``, None without RoPE (GPT-2).
+    ``rms_norm``, ``apply_rope``: the textbook's, unless the seam hands a student's (``Kernels``).
     """
     if q_norm is not None:
         q = rms_norm(q, q_norm, eps)

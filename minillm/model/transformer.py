@@ -56,7 +56,7 @@ class Transformer:
         self.config = config
         self.weights = weights
         self.kernels = kernels.prepare(weights)  # chosen once at load: plain here, tuned from minillm/kernels
-        self.act = primitives.ACTIVATIONS[config.hidden_act]
+        self.act = self.kernels.activation(config.hidden_act)
         self.positions = PositionTables(config)  # RoPE angles and masks per layer type (positions.py)
         self.layer_types, self.inv_freq = self.positions.layer_types, self.positions.inv_freq
 
@@ -67,13 +67,13 @@ class Transformer:
 
     def masks(self, seq: int, start: int) -> dict[LayerType, np.ndarray]:
         """The additive mask ``[seq, start + seq]`` per layer type present in this model."""
-        return self.positions.masks(seq, start)
+        return self.positions.masks(seq, start, self.kernels)
 
     def norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         """The family's norm over the last axis: RMSNorm, or LayerNorm with bias (GPT-2)."""
         if self.config.norm is NormKind.LAYERNORM:
             return primitives.layer_norm(x, weight, bias, self.config.norm_eps)
-        return primitives.rms_norm(x, weight, self.config.norm_eps)
+        return self.kernels.rms_norm(x, weight, self.config.norm_eps)
 
     # --- the forward pass ----------------------------------------------------------------------------
     def forward(

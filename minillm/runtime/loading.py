@@ -16,12 +16,12 @@ from minillm.kernels.tuned import TUNED
 from minillm.model.config import ModelConfig
 from minillm.model.gguf_weights import load_gguf_weights
 from minillm.model.kernels import PLAIN, Kernels
-from minillm.model.kv_cache import KVCache
 from minillm.model.lora import LoraAdapter, activate, load_adapter, merge
 from minillm.model.transformer import Transformer
 from minillm.model.weights import hold_weights, load_weights
 from minillm.runtime import steps
 from minillm.runtime.loaded_model import Model
+from minillm.runtime.units import unit_kernels
 from minillm.sources.hub import ResolvedModel, resolve_gguf, resolve_model
 from minillm.text.tokenizer import Tokenizer
 
@@ -41,6 +41,7 @@ def load(
     weight_dtype: str = "float32",
     mmap: bool = False,
     kernels: str = "tuned",
+    units: str | os.PathLike | None = None,
 ) -> Model:
     """Load a model by manifest name (fetched and cached on first use) or from a local folder.
 
@@ -76,6 +77,7 @@ def load(
             batch's decode attention) the model runs: ``"tuned"`` (``minillm/kernels``: the fastest
             formulations for this BLAS kernel) or ``"plain"`` (``minillm/model/kernels.py``: the
             textbook's NumPy). The same numbers within float32 rounding (``tests/model/test_kernels.py``).
+        units: a student's exercises folder: its started units replace the textbook's (``runtime/units.py``).
 
     Raises:
         InvalidRequestError: ``threads`` is not a whole number >= 1; an unknown ``weight_dtype`` or
@@ -87,22 +89,15 @@ def load(
         ModelNotFoundError, DownloadError, ChecksumMismatchError: while resolving the model.
         ConfigError, WeightsError, TokenizerError: while reading the folder.
         AdapterError: an adapter is missing files, unsupported, or does not fit the model.
+        UnitsError: ``units`` is missing or unreadable, or a unit's file lacks its names.
     """
-    chosen = kernels_named(kernels)
+    chosen = kernels_named(kernels) if units is None else unit_kernels(units)
     set_blas_threads(threads)
     check_weight_dtype(weight_dtype, adapters=bool(adapters), merge_adapters=merge_adapters)
     check_mmap(mmap, weight_dtype, adapters=bool(adapters), merge_adapters=merge_adapters)
     t0 = time.perf_counter()
-    model = _build_model(
-        name_or_path,
-        chosen,
-        progress=progress,
-        weight_dtype=weight_dtype,
-        mmap=mmap,
-        adapters=adapters or [],
-        merge_adapters=merge_adapters,
-        threads=threads,
-    )
+    how = {"weight_dtype": weight_dtype, "mmap": mmap, "merge_adapters": merge_adapters, "threads": threads}
+    model = _build_model(name_or_path, chosen, progress=progress, adapters=adapters or [], **how)
     if tracer is not None:
         tracer.on_event("load", t0, model.load_s, model, {"seconds": model.load_seconds})
     if warmup:
@@ -282,7 +277,7 @@ def run_warmup(model: Model, *, tracer=None, pool=None) -> float:
     ids = model.tokenizer.encode(WARMUP_PROMPT)
     positions = len(ids) + WARMUP_DECODE_STEPS
     if pool is None:
-        cache = KVCache.for_model(model.config, max_seq_len=positions)
+        cache = model.transformer.kernels.new_cache(model.config, positions)
     else:
         cache = pool.sequence(positions)
         pool.grow(cache, positions)  # every slot the warm-up writes, before the first write

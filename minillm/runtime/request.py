@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from minillm.model.kernels import PLAIN
 from minillm.model.kv_cache import KVCache
 from minillm.runtime import constraint as constraint_module
 from minillm.runtime import sampling, steps
@@ -201,7 +202,10 @@ class Request:
         if self.own_cache:
             positions = max_seq_len or min(context, n_prompt + max_new_tokens)
             if new_cache is None:
-                return KVCache.for_model(self.model.config, positions, dtype=self.kv_dtype)
+                # built as the model's kernels say: the textbook's KVCache, or a student's (the exercises)
+                return getattr(self.model.transformer, "kernels", PLAIN).new_cache(
+                    self.model.config, positions, self.kv_dtype
+                )
             return new_cache(positions)
         same = shared_prefix(cached_ids[: cache.length], self.prompt_ids.tolist()) if cached_ids else 0
         cache.truncate(min(same, n_prompt - 1))  # emptied, unless a conversation's turn keeps a prefix
