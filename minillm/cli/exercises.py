@@ -18,6 +18,7 @@ from rich.table import Table
 
 from minillm.exercises import DEFAULT_TIMEOUT, UNITS, Grading, as_json, exit_status, show, start
 from minillm.exercises.grade import grade_folder
+from minillm.exercises.report import lesson_label
 from minillm.exercises.units import BY_NAME
 
 
@@ -50,10 +51,15 @@ def run_exercises(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     if args.step == "list":
         table = Table(title="the units", title_justify="left")
-        for column in ("unit", "lesson", "graded inside"):
-            table.add_column(column)
+        table.add_column("unit", no_wrap=True)
+        table.add_column("lesson", no_wrap=True)
+        table.add_column("graded second")
         for u in UNITS:
-            table.add_row(u.name, u.lesson, u.inside or f"unit cases only: {u.why}")
+            table.add_row(
+                u.name,
+                lesson_label(u.lesson),
+                {"model": "in the model"}.get(u.inside, u.inside) or f"unit cases only: {u.why}",
+            )
         console.print(table)
         return 0
     if args.step == "start":

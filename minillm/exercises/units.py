@@ -13,6 +13,7 @@ import ast
 import hashlib
 import importlib
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -111,14 +112,32 @@ STUB_METHODS = {
 }
 
 
+def _seam_hooks(fn: ast.FunctionDef) -> list[str]:
+    """Keyword-only parameters whose default is a textbook function (``attention``'s ``softmax=softmax``):
+    how the seam hands a unit another unit. A student's file stands alone, so its stub has none."""
+    args = fn.args
+    return [a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if isinstance(d, ast.Name)]
+
+
 def _function_stub(lines: list[str], fn: ast.FunctionDef, unit: Unit) -> list[str]:
-    """A function's header and docstring from ``lines``, then ``raise NotImplementedError``."""
+    """A function's header and docstring from ``lines`` (without :func:`_seam_hooks`), then
+    ``raise NotImplementedError``."""
     body = fn.body
     has_doc = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
     start = fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno
     keep_to = body[0].end_lineno if has_doc else body[0].lineno - 1  # 1-based, inclusive
     indent = " " * body[0].col_offset
-    return lines[start - 1 : keep_to] + [f'{indent}raise NotImplementedError("{unit.name}: your turn ({unit.lesson})")']
+    kept = lines[start - 1 : keep_to]
+    for hook in _seam_hooks(fn):
+        kept = [re.sub(rf",\s*\*,\s*{hook}={hook}", "", line) for line in kept]  # the header
+        at = next((i for i, line in enumerate(kept) if line.strip().startswith(f"{hook}:")), None)
+        if at is not None:  # its Args entry, and the lines that continue it
+            depth = len(kept[at]) - len(kept[at].lstrip())
+            end = at + 1
+            while end < len(kept) and len(kept[end]) - len(kept[end].lstrip()) > depth and kept[end].strip():
+                end += 1
+            kept = kept[:at] + kept[end:]
+    return kept + [f'{indent}raise NotImplementedError("{unit.name}: your turn ({unit.lesson})")']
 
 
 def _stub_of(obj, unit: Unit) -> str:

@@ -203,3 +203,31 @@ def test_check_from_python_shows_the_same_verdict(gradings):
     wrong = exercises.check("apply_rope", apply_rope, rotate_half=rotate_half)
     assert not wrong.passed and "[-x2, x1]" in wrong.verdicts[0].hint
     assert "apply_rope: failed" in repr(wrong)
+
+
+def test_every_stub_imports_and_raises_not_implemented(tmp_path):
+    from minillm.runtime.units import import_unit, is_started
+
+    exercises.start(tmp_path)
+    for unit in UNITS:
+        source = (tmp_path / unit.file).read_text()
+        assert not is_started(source, unit.names), unit.name
+        module = import_unit(tmp_path, unit.name)  # a stub stands alone: no name it lacks
+        obj = getattr(module, unit.name)
+        with pytest.raises(NotImplementedError, match=f"{unit.name}: your turn"):
+            code = obj.__init__.__code__ if isinstance(obj, type) else obj.__code__
+            obj(*[None] * (code.co_argcount - isinstance(obj, type)))
+    assert (
+        "def attention(\n    q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float\n)"
+        in (tmp_path / "attention.py").read_text()
+    )
+
+
+def test_list_names_every_unit_and_its_lesson():
+    out = minillm_cli("exercises", "list")
+    assert out.returncode == 0
+    rows = [line.split("│")[1:3] for line in out.stdout.splitlines() if line.startswith("│")]
+    named = {unit.strip(): lesson.strip() for unit, lesson in rows if unit.strip()}
+    assert named == {
+        u.name: (f"lesson {int(u.lesson[:2])}" if u.lesson[0].isdigit() else "primitives.py") for u in UNITS
+    }
