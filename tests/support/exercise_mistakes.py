@@ -6,6 +6,60 @@ where no hint is listed for that mistake: then the failure's message must hold t
 
 NP = "import numpy as np\n\n"
 
+KV_CACHE = (
+    NP
+    + """
+class KVCache:
+    def __init__(self, num_layers, num_kv_heads, head_dim, max_seq_len, dtype="float32"):
+        self.k = np.zeros((num_layers, num_kv_heads, max_seq_len, head_dim), np.float32)
+        self.v = np.zeros_like(self.k)
+        self.length = 0
+
+    def write(self, layer, k, v):
+        end = self.length + k.shape[1]
+        self.k[layer, :, self.length:end], self.v[layer, :, self.length:end] = k, v
+        return {returned}
+
+    def read(self, layer, end):
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def advance(self, seq):
+        {advance}
+
+    def truncate(self, length):
+        self.length = length
+"""
+)
+
+ATTENTION = (
+    NP
+    + """
+def attention(q, k, v, mask, scale):
+    group = q.shape[0] // k.shape[0]
+    k, v = {repeated}
+    s = q @ k.transpose(0, 2, 1){scaled} + mask
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = (p / p.sum(-1, keepdims=True)).astype(np.float32)
+    return (p @ v).astype(np.float32), p
+"""
+)
+
+DETOKENIZER = (
+    NP
+    + """
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, *, skip_special_tokens=True, prompt_ids=None):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def add(self, token_id):
+        self.ids.append(int(token_id))
+{add}
+
+    def flush(self):
+        return ""
+"""
+)
+
 MISTAKES = [
     (
         "causal_mask",
@@ -143,31 +197,13 @@ def apply_rope(x, cos, sin):
     (
         "attention",
         "kv heads repeated with np.tile",
-        NP
-        + """
-def attention(q, k, v, mask, scale):
-    group = q.shape[0] // k.shape[0]
-    k, v = np.tile(k, (group, 1, 1)), np.tile(v, (group, 1, 1))
-    s = q @ k.transpose(0, 2, 1) * scale + mask
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p = (p / p.sum(-1, keepdims=True)).astype(np.float32)
-    return (p @ v).astype(np.float32), p
-""",
+        ATTENTION.format(repeated="np.tile(k, (group, 1, 1)), np.tile(v, (group, 1, 1))", scaled=" * scale"),
         "wrong order",
     ),
     (
         "attention",
         "no scale",
-        NP
-        + """
-def attention(q, k, v, mask, scale):
-    group = q.shape[0] // k.shape[0]
-    k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)
-    s = q @ k.transpose(0, 2, 1) + mask
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p = (p / p.sum(-1, keepdims=True)).astype(np.float32)
-    return (p @ v).astype(np.float32), p
-""",
+        ATTENTION.format(repeated="np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)", scaled=""),
         "scale",
     ),
     (
@@ -183,55 +219,13 @@ def silu(x):
     (
         "KVCache",
         "a cache that does not advance",
-        NP
-        + """
-class KVCache:
-    def __init__(self, num_layers, num_kv_heads, head_dim, max_seq_len, dtype="float32"):
-        self.k = np.zeros((num_layers, num_kv_heads, max_seq_len, head_dim), np.float32)
-        self.v = np.zeros_like(self.k)
-        self.length = 0
-
-    def write(self, layer, k, v):
-        end = self.length + k.shape[1]
-        self.k[layer, :, self.length:end], self.v[layer, :, self.length:end] = k, v
-        return self.k[layer, :, :end], self.v[layer, :, :end]
-
-    def read(self, layer, end):
-        return self.k[layer, :, :end], self.v[layer, :, :end]
-
-    def advance(self, seq):
-        pass
-
-    def truncate(self, length):
-        self.length = length
-""",
+        KV_CACHE.format(returned="self.k[layer, :, :end], self.v[layer, :, :end]", advance="pass"),
         "does not advance",
     ),
     (
         "KVCache",
         "write returns this call's keys only",
-        NP
-        + """
-class KVCache:
-    def __init__(self, num_layers, num_kv_heads, head_dim, max_seq_len, dtype="float32"):
-        self.k = np.zeros((num_layers, num_kv_heads, max_seq_len, head_dim), np.float32)
-        self.v = np.zeros_like(self.k)
-        self.length = 0
-
-    def write(self, layer, k, v):
-        end = self.length + k.shape[1]
-        self.k[layer, :, self.length:end], self.v[layer, :, self.length:end] = k, v
-        return k, v
-
-    def read(self, layer, end):
-        return self.k[layer, :, :end], self.v[layer, :, :end]
-
-    def advance(self, seq):
-        self.length += seq
-
-    def truncate(self, length):
-        self.length = length
-""",
+        KV_CACHE.format(returned="k, v", advance="self.length += seq"),
         "every filled position",
     ),
     (
@@ -322,60 +316,29 @@ def apply_repetition_penalty(logits, seen_ids, penalty):
     (
         "IncrementalDetokenizer",
         "each id decoded alone",
-        NP
-        + """
-class IncrementalDetokenizer:
-    def __init__(self, tokenizer, *, skip_special_tokens=True, prompt_ids=None):
-        self.tokenizer = tokenizer
-
-    def add(self, token_id):
-        return self.tokenizer.decode([token_id])
-
-    def flush(self):
-        return ""
-""",
+        DETOKENIZER.format(add="        return self.tokenizer.decode([token_id])"),
         "UTF-8 character",
     ),
     (
         "IncrementalDetokenizer",
         "flush forgets the held-back text",
-        NP
-        + """
-class IncrementalDetokenizer:
-    def __init__(self, tokenizer, *, skip_special_tokens=True, prompt_ids=None):
-        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
-
-    def add(self, token_id):
-        self.ids.append(int(token_id))
-        text = self.tokenizer.decode(self.ids)
+        DETOKENIZER.format(
+            add="""        text = self.tokenizer.decode(self.ids)
         if text.endswith("\\ufffd"):
             return ""
         delta, self.shown = text[len(self.shown):], text
-        return delta
-
-    def flush(self):
-        return ""
-""",
+        return delta"""
+        ),
         None,
     ),
     (
         "IncrementalDetokenizer",
         "half characters shown (nothing held back)",
-        NP
-        + """
-class IncrementalDetokenizer:
-    def __init__(self, tokenizer, *, skip_special_tokens=True, prompt_ids=None):
-        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
-
-    def add(self, token_id):
-        self.ids.append(int(token_id))
-        text = self.tokenizer.decode(self.ids)
+        DETOKENIZER.format(
+            add="""        text = self.tokenizer.decode(self.ids)
         delta, self.shown = text[len(self.shown):], text
-        return delta
-
-    def flush(self):
-        return ""
-""",
+        return delta"""
+        ),
         "UTF-8 character",
     ),
     (
