@@ -19,8 +19,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(url: str, done, proc: subprocess.Popen | None, log: Path | None, timeout: float = 120.0):
-    """Poll ``url + "/health"`` until ``done(response or None)`` holds; return that response.
+def wait_for(url: str, done, proc: subprocess.Popen | None, log: Path | None, timeout: float = 120.0, verify=True):
+    """Poll ``url + "/health"`` until ``done(response or None)`` holds; return that response. ``verify``:
+    httpx's (an ``ssl.SSLContext`` that trusts an HTTPS server's own certificate).
 
     Raises RuntimeError if ``proc`` exits first (with its log), TimeoutError after ``timeout`` seconds.
     """
@@ -29,7 +30,7 @@ def wait_for(url: str, done, proc: subprocess.Popen | None, log: Path | None, ti
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text() if log else ''}")
         try:
-            r = httpx.get(url + "/health", timeout=2)
+            r = httpx.get(url + "/health", timeout=2, verify=verify)
         except httpx.HTTPError:
             r = None
         if done(r):

@@ -119,3 +119,8 @@ class MissingExtraError(MiniLLMError):
         return cls(
             f"`{command}` needs the {module} package, which the {extra} extra installs: {install_command(extra)}."
         )
+
+
+# --- the course book ---------------------------------------------------------------------------
+class BookError(MiniLLMError):
+    """``minillm book`` cannot build the site: a lesson failed (named), no checkout, or the tool failed."""

@@ -13,6 +13,7 @@
     minillm exercises start my_units                # your turn: stubs of the textbook's units
     minillm exercises check --dir my_units          # graded against the textbook, then inside SmolLM2
     minillm run --units my_units "The capital of France is"   # the request on your units
+    minillm book --out build/book                   # the course book: the lessons as executed, a static site
 
 Errors minillm raises on purpose (``MiniLLMError``) print as one clear message, no traceback
 (``--debug`` shows it), and exit with status 2.
@@ -30,6 +31,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from minillm.cli.book import add_book_command
 from minillm.cli.cache import add_cache_command, run_cache
 from minillm.cli.chat import run_conversation
 from minillm.cli.exercises import add_exercises_command
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_command(sub)
     add_cache_command(sub)
     add_exercises_command(sub)
+    add_book_command(sub)
     cal = sub.add_parser(
         "calibrate",
         help="measure this machine's rates (bandwidth, GEMM, disk) again; the diagnosis compares each phase with them",
@@ -106,6 +109,13 @@ def _add_bench_command(sub) -> None:
     )
     b.add_argument(
         "--timeout", type=float, default=300.0, metavar="S", help="HTTP timeout per request, s (default: %(default)s)"
+    )
+    b.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="sent as `Authorization: Bearer KEY` on every request (default: the MINILLM_API_KEY environment "
+        "variable, if set)",
     )
     b.add_argument("--debug", action="store_true", help="show tracebacks")
     b.set_defaults(run_command=_bench)
@@ -191,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_cache(args, console)
         if args.command == "chat" and args.prompt is None:
             return run_conversation(args, console)
-        if hasattr(args, "run_command"):  # serve (minillm/serve), bench (bench.py), exercises
+        if hasattr(args, "run_command"):  # serve (minillm/serve), bench (bench.py), exercises, book
             return args.run_command(args)
         return run_request(args, console)
     except MiniLLMError as exc:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -225,6 +226,7 @@ async def bench(
     max_tokens: int,
     timeout_s: float = 300.0,
     progress=None,
+    api_key: str | None = None,
 ) -> dict:
     """Run every concurrency level in turn; returns the results as a JSON-ready dict.
 
@@ -233,6 +235,7 @@ async def bench(
         concurrency: client counts, e.g. ``[1, 2, 4]``; ``requests`` requests per level.
         prompt_tokens: target prompt length in the server's tokens; max_tokens: per request.
         progress: a ``rich.progress.Progress`` to advance, or None.
+        api_key: sent as ``Authorization: Bearer`` on every request (a server with keys), or None.
 
     Raises:
         RuntimeError: the calibration probe failed (server down, wrong model name ...).
@@ -241,7 +244,7 @@ async def bench(
 
     url = url.rstrip("/")
     limits = httpx.Limits(max_connections=max(concurrency) + 2, max_keepalive_connections=max(concurrency) + 2)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=auth_headers(api_key)) as http:
         words, measured = await calibrate_words(http, url, model, prompt_tokens)
         task = progress.add_task("requests", total=requests * len(concurrency)) if progress else None
         levels, index = [], 1
@@ -273,6 +276,13 @@ async def bench(
         "started": datetime.now().isoformat(timespec="seconds"),
         "levels": levels,
     }
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header a server with keys asks for (``minillm serve --api-key``): ``{}`` without a key; the
+    key from ``MINILLM_API_KEY`` when ``api_key`` is None and the variable is set."""
+    key = api_key if api_key is not None else os.environ.get("MINILLM_API_KEY", "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def results_table(results: dict):
@@ -350,6 +360,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                     args.max_tokens,
                     args.timeout,
                     progress,
+                    args.api_key,
                 )
             )
     except RuntimeError as exc:

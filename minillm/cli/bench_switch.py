@@ -15,7 +15,7 @@ import argparse
 import asyncio
 import time
 
-from minillm.cli.bench import calibrate_words, make_prompt, one_request, percentiles, save_results
+from minillm.cli.bench import auth_headers, calibrate_words, make_prompt, one_request, percentiles, save_results
 
 PATTERNS = ("alternate", "sticky")
 
@@ -37,9 +37,12 @@ def order(models: list[str], pattern: str, n: int) -> list[str]:
 async def _counters(http, url: str) -> dict[str, float]:
     """Switches and evictions from a minillm server's /metrics ({} from another server)."""
     try:
-        text = (await http.get(url + "/metrics")).text
+        r = await http.get(url + "/metrics")
     except Exception:  # noqa: BLE001 - not every server has /metrics: the client's numbers still stand
         return {}
+    if r.status_code != 200:  # none, or not for this key: the client's numbers still stand
+        return {}
+    text = r.text
     out = {"switches": 0.0, "evictions": 0.0}
     for line in text.splitlines():
         for key, name in (("switches", "minillm_model_switches_total"), ("evictions", "minillm_model_evictions_total")):
@@ -49,9 +52,17 @@ async def _counters(http, url: str) -> dict[str, float]:
 
 
 async def switch_bench(
-    url: str, models: list[str], patterns: list[str], requests: int, prompt_tokens: int, max_tokens: int, timeout_s=300
+    url: str,
+    models: list[str],
+    patterns: list[str],
+    requests: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    timeout_s=300,
+    api_key: str | None = None,
 ) -> dict:
     """Run each pattern's ``requests`` requests one after another; returns JSON-ready results (seconds).
+    ``api_key``: sent as ``Authorization: Bearer`` on every request, /metrics included (``bench.auth_headers``).
 
     Raises:
         RuntimeError: a calibration probe failed (server down, unknown model).
@@ -59,7 +70,7 @@ async def switch_bench(
     import httpx
 
     url = url.rstrip("/")
-    async with httpx.AsyncClient(timeout=timeout_s) as http:
+    async with httpx.AsyncClient(timeout=timeout_s, headers=auth_headers(api_key)) as http:
         words = {m: (await calibrate_words(http, url, m, prompt_tokens))[0] for m in models}
         results, index = [], 1
         for pattern in patterns:
@@ -112,7 +123,16 @@ def run_switch_command(args: argparse.Namespace) -> int:
         return 2
     try:
         results = asyncio.run(
-            switch_bench(args.url, models, patterns, args.requests, args.prompt_tokens, args.max_tokens, args.timeout)
+            switch_bench(
+                args.url,
+                models,
+                patterns,
+                args.requests,
+                args.prompt_tokens,
+                args.max_tokens,
+                args.timeout,
+                args.api_key,
+            )
         )
     except RuntimeError as exc:
         err.print(f"[bold red]error:[/] {exc}")

@@ -39,6 +39,9 @@ PHASES = (
     "summary",
     "batch_step",
 )
+#: The phases whose events hold none of a request's text (prompt, tokens, answer): what a tracer made
+#: with ``hide_text=True`` prints (a server's console without ``--log-prompts``).
+TEXT_FREE_PHASES = ("load", "warmup", "summary", "batch_step")
 
 
 class Tracer:
@@ -54,14 +57,23 @@ class Tracer:
         live: show the streamed text in a rich Live view at the bottom of a terminal (default:
             only when the console writes to a real terminal, ``render.on_a_terminal``; a pipe, a
             file or a notebook, colours forced or not, gets the text once, at the stop event).
+        hide_text: print only the phases in :data:`TEXT_FREE_PHASES` (every event is still kept).
     """
 
-    def __init__(self, console=None, verbosity: str = "steps", fold_every: int = 10, live: bool | None = None):
+    def __init__(
+        self,
+        console=None,
+        verbosity: str = "steps",
+        fold_every: int = 10,
+        live: bool | None = None,
+        hide_text: bool = False,
+    ):
         if verbosity not in VERBOSITY:
             raise ValueError(f"verbosity must be one of {VERBOSITY}, got {verbosity!r}")
         self.console = console
         self.verbosity = verbosity
         self.fold_every = fold_every
+        self.hide_text = hide_text
         self.t0 = time.perf_counter()
         self.events: list[TraceEvent] = []
         self._renderer = None
@@ -77,7 +89,7 @@ class Tracer:
         seconds, ``facts`` as the runtime reports them; ``model`` gives the context (tokenizer,
         config) to describe them with."""
         if phase == "text":  # a streamed text delta: shown live, carried as data by the decode events
-            if self._renderer is not None:
+            if self._renderer is not None and not self.hide_text:
                 self._renderer.stream_text(facts["text"])
             return
         if phase == "prepare":
@@ -103,7 +115,7 @@ class Tracer:
         """Record an event (``start`` in :meth:`now` seconds, ``duration`` seconds) and render it."""
         event = TraceEvent(phase, start, duration, data)
         self.events.append(event)
-        if self._renderer is not None:
+        if self._renderer is not None and (not self.hide_text or phase in TEXT_FREE_PHASES):
             self._renderer.render(event)
         return event
 

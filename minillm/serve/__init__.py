@@ -52,6 +52,7 @@ def add_commands(sub) -> None:
     s.add_argument("--threads", type=int, default=None, metavar="N", help="BLAS threads (default: all cores)")
     s.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
     _add_observing_args(s)
+    _add_access_args(s)
     _add_reliability_flags(s)
     s.add_argument("--debug", action="store_true")
     s.set_defaults(run_command=_serve)
@@ -120,6 +121,59 @@ def _add_observing_args(s) -> None:
         help="event streams (live pages) open at once; one more gets 503 (default 32)",
     )
     s.add_argument("--open", action="store_true", help="print the live page's URL (GET /ui) and open it in a browser")
+
+
+def _add_access_args(s) -> None:
+    """Keys, scopes, quotas, privacy, CORS and TLS: a server a teacher may put on a class's network (auth.py)."""
+    s.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="an inference key (repeatable): with any key, every endpoint but /health needs "
+        "`Authorization: Bearer KEY`; also read from the MINILLM_API_KEY environment variable",
+    )
+    s.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="inference keys, one a line (# starts a comment): keeps keys out of the process list",
+    )
+    s.add_argument(
+        "--observer-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key for the projector (repeatable): may read /ui, /v1/events, /v1/traces and /metrics, gets 403 on "
+        "generation",
+    )
+    s.add_argument(
+        "--show-prompts",
+        action="store_true",
+        help="observers see other keys' prompts and answers (default: token counts and shapes only)",
+    )
+    s.add_argument("--log-prompts", action="store_true", help="the console's per-request trace includes its text")
+    s.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve a non-loopback --host without keys (else refused: anyone there could generate and read prompts)",
+    )
+    s.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web origin whose pages may call this server, e.g. https://class.example (CORS; default none)",
+    )
+    quotas = "past it, 429 rate_limit_exceeded with Retry-After (needs keys; default: no limit)"
+    s.add_argument("--requests-per-minute", type=int, default=None, metavar="N", help=f"per key; {quotas}")
+    s.add_argument(
+        "--tokens-per-minute", type=int, default=None, metavar="N", help=f"prompt + completion, per key; {quotas}"
+    )
+    s.add_argument("--max-concurrent-per-key", type=int, default=None, metavar="N", help=f"in flight; {quotas}")
+    s.add_argument("--ssl-certfile", default=None, metavar="PEM", help="serve HTTPS with this certificate (uvicorn's)")
+    s.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key")
 
 
 def _add_reliability_flags(s) -> None:

@@ -8,7 +8,10 @@ scheduler runs it in a continuous batch with the others (``worker.py``, ``runtim
     GET  /v1/events             Server-Sent Events: requests, steps, the KV pool, live (``events.py``)
     GET  /ui                    the live page those events feed (``static/ui.html``)
     GET  /health                503 while loading and warming up (calibration included), 200 when ready
-    GET  /metrics               Prometheus text: TTFT, TPOT, e2e, queue wait, tokens, KV bytes
+    GET  /metrics               Prometheus text: TTFT, TPOT, e2e, queue wait, tokens, KV bytes, use per key
+
+With API keys (``auth.py``) every route but /health needs one; an observer key only watches; what a
+caller sees of other keys' requests is ``privacy.py``'s; each key's quotas are ``quotas.py``'s.
 
 The model runs on one worker thread (``worker.py``); this module only moves bytes on the event loop.
 It talks to one interface, :class:`~minillm.serve.interface.ServedModels`: one model's ``Worker``
@@ -26,6 +29,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -34,10 +38,13 @@ from minillm.observe import calibrate
 from minillm.runtime.constraint import Constraint, grammar_for
 
 from . import protocol as p
+from .auth import OPEN, Access, KeyCheck
 from .events import EventStreamResponse, TooManySubscribers
 from .interface import ServedModels
 from .jobs import Job, QueueFullError
 from .limits import DEFAULT_MAX_REQUEST_BYTES, max_token_bytes, prompt_too_long
+from .privacy import trace_for, viewer_for
+from .quotas import Quotas
 from .reliability import Channel
 from .responses import APIError, final_response, runtime_error, sse, validation_error
 
@@ -46,10 +53,14 @@ RETRY_AFTER_S = 1  # what a 429 tells the client to wait, seconds
 UI_PAGE = Path(__file__).parent / "static" / "ui.html"  # GET /ui (module-level: a test may point it elsewhere)
 
 
-def create_app(served: ServedModels, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def create_app(
+    served: ServedModels, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, access: Access | None = None
+) -> FastAPI:
     """The FastAPI app in front of ``served`` (one model's ``Worker`` or a ``ModelRegistry``): its
     gauges are bound here, once; clients name its models by ``served.served_names()``. A body over
-    ``max_request_bytes`` is refused with 413 (``limits.py``)."""
+    ``max_request_bytes`` is refused with 413 (``limits.py``). ``access``: keys, what observers see,
+    CORS origins and quotas (``auth.py``; default: no keys, no CORS, no quotas)."""
+    access = access or Access()
     served.metrics.bind(served)  # /metrics' gauges read the interface at scrape time
 
     @asynccontextmanager
@@ -65,9 +76,28 @@ def create_app(served: ServedModels, max_request_bytes: int = DEFAULT_MAX_REQUES
         max_body_size=max_request_bytes,  # Starlette's RequestBodyLimitMiddleware: 413 past it
     )
     _add_error_handlers(app, served.guard.counters.refused, max_request_bytes)
-    _add_status_routes(app, served)
-    _add_completion_routes(app, served)
+    _add_status_routes(app, served, access)
+    _add_completion_routes(app, served, Quotas(served.metrics.registry, access.limits))
+    app.add_middleware(KeyCheck, keys=access.keys, login_page=_page)  # who calls: 401 / 403 before any route
+    if access.allowed_origins:  # outside the key check: a preflight carries no key, a 401 gets CORS headers
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(access.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type", "last-event-id"],
+            expose_headers=["x-request-id", "retry-after"],
+        )
     return app
+
+
+def _page() -> bytes | None:
+    """The live page's HTML (None when its file is missing)."""
+    return UI_PAGE.read_bytes() if UI_PAGE.is_file() else None
+
+
+def _caller(request: Request):
+    """Who sent ``request`` (``auth.KeyCheck`` put it in the request's state)."""
+    return request.scope.get("state", {}).get("caller", OPEN)
 
 
 def _add_error_handlers(app: FastAPI, refused, max_request_bytes: int) -> None:
@@ -100,8 +130,13 @@ def _add_error_handlers(app: FastAPI, refused, max_request_bytes: int) -> None:
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error").response()
 
 
-def _add_status_routes(app: FastAPI, worker: ServedModels) -> None:
-    """/health, /metrics, /v1/models, /v1/traces/{id}, /v1/events and /ui."""
+def _add_status_routes(app: FastAPI, worker: ServedModels, access: Access) -> None:
+    """/health, /metrics, /v1/models, /v1/traces/{id}, /v1/events and /ui; traces and events as the
+    caller may see them (``privacy.py``)."""
+
+    def viewer(request: Request):
+        caller = _caller(request)
+        return viewer_for(caller.scope, caller.label, access.show_prompts)
 
     @app.get("/health")
     async def health():
@@ -129,8 +164,8 @@ def _add_status_routes(app: FastAPI, worker: ServedModels) -> None:
         return p.ModelList(data=[p.ModelCard(**card) for card in worker.model_cards()])
 
     @app.get("/v1/traces/{request_id}", responses={404: {"model": p.ErrorResponse}})
-    async def trace(request_id: str):
-        record = worker.trace(request_id)
+    async def trace(request_id: str, request: Request):
+        record = trace_for(worker.trace(request_id), viewer(request))  # another key's: as if unknown
         if record is None:
             raise APIError(
                 404,
@@ -147,7 +182,7 @@ def _add_status_routes(app: FastAPI, worker: ServedModels) -> None:
         ``Last-Event-ID`` to resume. The README lists the event types."""
         peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
         try:
-            sub, opening = worker.events.subscribe(request.headers.get("last-event-id"), peer)
+            sub, opening = worker.events.subscribe(request.headers.get("last-event-id"), peer, viewer(request))
         except TooManySubscribers as exc:
             raise APIError(
                 503, f"{exc}; close another page first", "service_unavailable", code="too_many_subscribers"
@@ -168,8 +203,9 @@ def _add_status_routes(app: FastAPI, worker: ServedModels) -> None:
         return Response(page.read_bytes(), media_type="text/html; charset=utf-8")
 
 
-def _add_completion_routes(app: FastAPI, worker: ServedModels) -> None:
-    """POST /v1/chat/completions and /v1/completions: a job for the worker, answered as JSON or SSE."""
+def _add_completion_routes(app: FastAPI, worker: ServedModels, quotas: Quotas) -> None:
+    """POST /v1/chat/completions and /v1/completions: a job for the worker, answered as JSON or SSE;
+    the caller's key past a quota gets 429 (``quotas.py``)."""
     refused = worker.guard.counters.refused
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletion, responses=_ERRORS)
@@ -187,6 +223,9 @@ def _add_completion_routes(app: FastAPI, worker: ServedModels) -> None:
 
     async def _handle(request, body, prompt, chat, max_tokens, top_logprobs, request_id):
         job = _make_job(worker, body, prompt, chat, max_tokens, top_logprobs, request_id)
+        job.owner = key = _caller(request).label
+        quotas.check(key)  # 429 past one of the key's quotas
+        job.channel.on_end = lambda item: quotas.ended(key, item)
         try:
             worker.submit(job)
         except QueueFullError as exc:
@@ -198,6 +237,7 @@ def _add_completion_routes(app: FastAPI, worker: ServedModels) -> None:
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from None
+        quotas.started(key)
         worker.guard.track(job)  # in flight until its end is sent (a shutdown waits for it)
         # The client leaving (at any time) sets the job's cancel flag; the worker checks it per step.
         watcher = asyncio.create_task(_watch_disconnect(request, job))

@@ -16,6 +16,10 @@ event that has no ``id:`` (so a reconnect's Last-Event-ID is untouched): ``serve
 process (random per start: a page that sees it change knows the server restarted and its step
 numbers began again), ``oldest`` and ``newest`` the ids the ring keeps. With no subscriber,
 ``active`` is False and the worker builds no event at all.
+
+An event about one request carries its owner (the label of the key that sent it) and, when it holds
+text, a redacted copy: each subscriber is sent what its viewer may see (``privacy.frame_for``: the
+event, its redacted copy, or nothing), its cursor moving past what it is not sent.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from dataclasses import dataclass, field
 
 from starlette.responses import Response
 
+from .privacy import EVERYTHING, Viewer, frame_for, redacted
+
 KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing an idle stream
 FINAL_SEND_S = 1.0  # how long a dropped subscriber's goodbye may wait for its socket
 
@@ -42,11 +48,13 @@ class TooManySubscribers(Exception):
 
 @dataclass(eq=False, kw_only=True)
 class Subscriber:
-    """One connected stream: ``cursor`` is the id of the last event handed to it."""
+    """One connected stream: ``cursor`` is the id of the last event handed to it (or passed over:
+    ``viewer`` says which events it may see, ``privacy.py``)."""
 
     number: int
     peer: str
     cursor: int
+    viewer: Viewer = EVERYTHING
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     gone: asyncio.Event = field(default_factory=asyncio.Event)
     dropped: str | None = None  # why the bus dropped it
@@ -66,7 +74,8 @@ class EventBus:
         self.log = log or logging.getLogger("minillm.serve.events").warning
         self.t0 = time.perf_counter()  # events' "t": seconds since the bus was made
         self.server = secrets.token_hex(4)  # this process's name on its streams (hello): new at each start
-        self._ring: deque[tuple[int, bytes]] = deque(maxlen=capacity)  # (id, SSE frame)
+        # (id, SSE frame, owner's key label or None, the redacted frame or None when it holds no text)
+        self._ring: deque[tuple[int, bytes, str | None, bytes | None]] = deque(maxlen=capacity)
         self._next_id = 1
         self._lock = threading.Lock()
         self._subs: set[Subscriber] = set()
@@ -87,14 +96,21 @@ class EventBus:
         """Seconds since the bus was made (the events' clock)."""
         return time.perf_counter() - self.t0
 
-    def publish(self, kind: str, data: dict) -> int:
+    def publish(self, kind: str, data: dict, owner: str | None = None) -> int:
         """Append one event ``{"type": kind, "t": seconds, **data}``; return its id. Never blocks
-        on a subscriber (any thread). ``data`` must be JSON-serialisable."""
-        body = json.dumps({"type": kind, "t": round(self.now(), 6), **data}, separators=(",", ":"))
+        on a subscriber (any thread). ``data`` must be JSON-serialisable; ``owner``: the label of the
+        key whose request it is about (None: nobody's, or a server without keys)."""
+        head = {"type": kind, "t": round(self.now(), 6)}
+        shapes = redacted(kind, data) if owner is not None else None
+        body, shapes_body = (
+            json.dumps({**head, **d}, separators=(",", ":")) if d is not None else None for d in (data, shapes)
+        )
         with self._lock:
             eid = self._next_id
             self._next_id += 1
-            self._ring.append((eid, f"id: {eid}\ndata: {body}\n\n".encode()))
+            frame = f"id: {eid}\ndata: {body}\n\n".encode()
+            shapes_frame = f"id: {eid}\ndata: {shapes_body}\n\n".encode() if shapes_body else None
+            self._ring.append((eid, frame, owner, shapes_frame))
         loop = self._loop
         if loop is not None and not self._wake_pending:
             self._wake_pending = True
@@ -133,8 +149,8 @@ class EventBus:
             )
             sub.gone.set()
 
-    def subscribe(self, last_event_id: str | None, peer: str) -> tuple[Subscriber, str]:
-        """A new subscriber (on the loop) and the SSE comment that opens its stream.
+    def subscribe(self, last_event_id: str | None, peer: str, viewer: Viewer = EVERYTHING) -> tuple[Subscriber, str]:
+        """A new subscriber (on the loop) that sees what ``viewer`` may, and the SSE comment that opens its stream.
 
         Raises:
             TooManySubscribers: ``max_subscribers`` are already connected.
@@ -146,7 +162,7 @@ class EventBus:
         self._loop = asyncio.get_running_loop()
         oldest, newest = self._span()
         start, note = self._start(last_event_id, oldest, newest)
-        sub = Subscriber(number=next(self._numbers), peer=peer, cursor=start - 1)
+        sub = Subscriber(number=next(self._numbers), peer=peer, cursor=start - 1, viewer=viewer)
         self._subs.add(sub)
         return sub, f": {note}\n\n"
 
@@ -167,16 +183,18 @@ class EventBus:
         self._subs.discard(sub)
 
     def take(self, sub: Subscriber, limit: int = 256) -> list[bytes]:
-        """The frames after the subscriber's cursor (at most ``limit``), advancing it."""
+        """The frames after the subscriber's cursor that its viewer may see, of the next ``limit``
+        events (advancing the cursor past all of them)."""
         with self._lock:
             if not self._ring:
                 return []
             first = sub.cursor + 1 - self._ring[0][0]
             if first < 0 or first >= len(self._ring):
                 return []
-            frames = [f for _, f in itertools.islice(self._ring, first, first + limit)]
-        sub.cursor += len(frames)
-        return frames
+            entries = list(itertools.islice(self._ring, first, first + limit))
+        sub.cursor += len(entries)
+        frames = (frame_for(sub.viewer, owner, frame, shapes) for _, frame, owner, shapes in entries)
+        return [f for f in frames if f is not None]
 
     async def stream(self, sub: Subscriber, opening: str, send) -> None:
         """Send the subscriber its events until it leaves or is dropped (an ASGI ``send``)."""
@@ -187,7 +205,7 @@ class EventBus:
                 await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
                 continue
             sub.wake.clear()
-            if self.take_ready(sub):
+            if self.take_ready(sub):  # published meanwhile, or passed over (events its viewer may not see)
                 continue
             try:
                 await asyncio.wait_for(sub.wake.wait(), KEEPALIVE_S)

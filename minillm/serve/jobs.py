@@ -38,6 +38,7 @@ class Job:
     model: str = ""  # the served name the request named (a multi-model server routes by it)
     load_s: float = 0.0  # seconds of the model load this request waited for (models.py), else 0
     constraint: object = None  # a minillm Constraint (response_format), or None: free text
+    owner: str | None = None  # the label of the key that sent it (auth.label); None on a server without keys
 
     def send(self, kind: str, value) -> None:
         """Hand an item to the event loop thread-safely (never blocks the worker)."""

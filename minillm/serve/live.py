@@ -16,6 +16,8 @@ False): no event is built, and the scheduler gets no listener, so it computes no
     load                    the model's load phases (always kept: a page opened later shows them)
 
 Requests are named by the server's request id (``chatcmpl-...``); ``index`` is the scheduler's number.
+Each ``request.*`` event is published with its owner, the label of the key that sent the request
+(``job.owner``): the bus sends it whole, redacted or not at all, by subscriber (``privacy.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class LiveFeed:
 
     def queued(self, job) -> None:
         if self.bus.active:
-            self.bus.publish("request.queued", {"id": job.request_id, "chat": job.chat, "max_tokens": job.max_tokens})
+            data = {"id": job.request_id, "chat": job.chat, "max_tokens": job.max_tokens}
+            self.bus.publish("request.queued", data, owner=job.owner)
 
     def finished(self, record: dict) -> None:
         """A request's end, from the trace record the worker keeps for GET /v1/traces/{id}."""
@@ -75,6 +78,7 @@ class LiveFeed:
                 "slow_motion_s": record.get("slow_motion_s", 0.0),
                 "text": stop.get("text"),  # the whole answer; None when it ended without a stop (an error)
             },
+            owner=record.get("key"),
         )
 
     def after_step(self, worker) -> None:
@@ -85,6 +89,7 @@ class LiveFeed:
         self._step = None
         active = worker.active
         names = {i: a.job.request_id for i, a in active.items()}
+        owners = {i: a.job.owner for i, a in active.items()}
         step = facts["step"]
         for index, cached in facts["admitted"].items():
             if index in active:
@@ -107,13 +112,15 @@ class LiveFeed:
         )
         for row in rows:
             if row["phase"] == "prefill":
-                self.bus.publish("request.prefill_chunk", {"id": row["id"], "step": step, **_chunk(row)})
+                data = {"id": row["id"], "step": step, **_chunk(row)}
+                self.bus.publish("request.prefill_chunk", data, owner=owners.get(row["index"]))
             if row["index"] in active:
                 self._tokens(worker, active[row["index"]], step)
         for a in active.values():  # fed, or ended (cancelled, its held text flushed)
             self._text(a, step)
         for index in facts["preempted"]:
-            self.bus.publish("request.preempted", {"id": names.get(index, str(index)), "step": step})
+            data = {"id": names.get(index, str(index)), "step": step}
+            self.bus.publish("request.preempted", data, owner=owners.get(index))
         self._pool(worker.pool, facts, names)
 
     # --- the pieces ------------------------------------------------------------------------------
@@ -133,6 +140,7 @@ class LiveFeed:
                 "slow_motion_s": a.job.slow_motion_s,
                 "queue_wait_s": a.wait,
             },
+            owner=a.job.owner,
         )
 
     @staticmethod
@@ -173,6 +181,7 @@ class LiveFeed:
                     "prob": None if prob is None or prob != prob else float(prob),
                     "top": cands,
                 },
+                owner=a.job.owner,
             )
 
     def _text(self, a, step: int) -> None:
@@ -183,7 +192,8 @@ class LiveFeed:
         if a.request.result is None:
             self._said[a.request.index] = len(text)
         if len(text) > said:
-            self.bus.publish("request.text", {"id": a.job.request_id, "step": step, "text": text[said:]})
+            data = {"id": a.job.request_id, "step": step, "text": text[said:]}
+            self.bus.publish("request.text", data, owner=a.job.owner)
 
     def _pool(self, pool, facts: dict, names: dict) -> None:
         self.bus.publish(

@@ -13,7 +13,7 @@ from rich.table import Table
 from minillm.errors import MiniLLMError
 from minillm.runtime.memory_plan import MemoryPlan, format_bytes
 
-from .flags import worker_options
+from .flags import base_url, worker_options
 from .models import ModelRegistry, ModelSpec
 
 
@@ -78,10 +78,11 @@ def _rss_now() -> int:
     return _rss()
 
 
-def build_registry_app(args: argparse.Namespace, console: Console, err: Console, speculative=None):
+def build_registry_app(args: argparse.Namespace, console: Console, err: Console, speculative=None, access=None):
     """(app, guard) for several models: plan every model, print the plans and the banner. None when
     a model cannot fit (or a name is given twice): said on ``err``; the caller exits 2.
-    ``server.serve_app`` runs the app, as it runs the single-model one."""
+    ``server.serve_app`` runs the app, as it runs the single-model one; ``access`` (``auth.Access``,
+    None: an open server) is the same as the single-model server's."""
     from .app import create_app
 
     try:
@@ -94,11 +95,11 @@ def build_registry_app(args: argparse.Namespace, console: Console, err: Console,
         console.print(slot.plan.kv_line())
     if registry.budget is not None:
         console.print(f"memory budget {format_bytes(registry.budget)}; runtime {format_bytes(registry.runtime_bytes)}")
-    app = create_app(registry, max_request_bytes=args.max_request_bytes)
+    app = create_app(registry, max_request_bytes=args.max_request_bytes, access=access)
     add_routes(app, registry)
     names = ", ".join(registry.slots)
     console.print(
-        f"minillm serve: {names} on http://{args.host}:{args.port} (loading {registry.specs[0].served} in the "
+        f"minillm serve: {names} on {base_url(args)} (loading {registry.specs[0].served} in the "
         "background; GET /health answers 200 when it is ready, the others load on demand)"
     )
     return app, registry.guard

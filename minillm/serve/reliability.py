@@ -270,13 +270,16 @@ def hold_admission(fault: dict, another_came: Callable[[], bool]) -> None:
 
 
 class Channel(asyncio.Queue):
-    """A job's channel that tells the guard when the request's last item (its end) is put in it."""
+    """A job's channel that tells the guard (and ``on_end``, if set: the key's quotas) when the
+    request's last item (its end) is put in it."""
 
-    def __init__(self, guard: Guard, request_id: str):
+    def __init__(self, guard: Guard, request_id: str, on_end: Callable[[tuple], None] | None = None):
         super().__init__()
-        self.guard, self.request_id = guard, request_id
+        self.guard, self.request_id, self.on_end = guard, request_id, on_end
 
     def put_nowait(self, item) -> None:
         super().put_nowait(item)
         if item[0] != "delta":
             self.guard.ended(self.request_id, item)
+            if self.on_end is not None:
+                self.on_end(item)

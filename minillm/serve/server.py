@@ -1,12 +1,15 @@
-"""``minillm serve``: build the worker and the app, then run uvicorn."""
+"""``minillm serve``: check the flags (access included: ``auth.py``, before any socket is bound), build the
+worker and the app, then run uvicorn (HTTPS with ``--ssl-certfile`` and ``--ssl-keyfile``)."""
 
 from __future__ import annotations
 
 import argparse
 import errno
 import socket
+import ssl
 
 from rich.console import Console
+from rich.markup import escape
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -19,9 +22,17 @@ def run_server(args: argparse.Namespace) -> int:
     """
     import minillm
 
+    from .auth import access_from_args
+    from .flags import base_url
+
     err = Console(stderr=True)
-    if (problem := flag_problem(args)) is not None:
-        err.print(f"[bold red]error:[/] {problem}")
+    try:
+        problem = flag_problem(args) or tls_problem(args)
+        access = access_from_args(args) if problem is None else None  # keys read, the host checked: before bind
+    except ValueError as exc:
+        problem = str(exc)
+    if problem is not None:
+        err.print(f"[bold red]error:[/] {escape(problem)}", highlight=False)  # e.g. ssl's "[SSL] ..." is not markup
         return 2
     try:
         speculative = (
@@ -41,15 +52,16 @@ def run_server(args: argparse.Namespace) -> int:
     if _several_models(args):  # models.py: plans, on-demand loads, eviction
         from .multi_server import build_registry_app
 
-        built = build_registry_app(args, console, err, speculative)
+        built = build_registry_app(args, console, err, speculative, access)
         if built is None:  # a model that cannot fit, or a name given twice: said on stderr
             sock.close()
             return 2
     else:
-        built = _one_model_app(args, console, speculative)
+        built = _one_model_app(args, console, speculative, access)
     app, guard = built
+    console.print(access.banner())
     if args.open:
-        _open_page(console, f"http://{args.host}:{args.port}/ui")
+        _open_page(console, f"{base_url(args)}/ui")
     if args.test_faults:
         console.print("minillm serve: --test-faults: requests may ask for an injected fault (tests only)")
     return serve_app(app, guard, sock, args, console)
@@ -80,11 +92,26 @@ def flag_problem(args: argparse.Namespace) -> str | None:
     return next((message for ok, message in checks if not ok), None)
 
 
-def _one_model_app(args: argparse.Namespace, console: Console, speculative):
-    """(app, guard) for one model on one :class:`~minillm.serve.worker.Worker`; prints the banner."""
+def tls_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--ssl-certfile`` / ``--ssl-keyfile`` (both or neither; a pair Python's ssl
+    loads), said as the fix; None when they are good or absent."""
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        return "HTTPS needs both --ssl-certfile and --ssl-keyfile (the certificate and its private key)"
+    if args.ssl_certfile is None:
+        return None
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        return f"cannot use --ssl-certfile {args.ssl_certfile} with --ssl-keyfile {args.ssl_keyfile}: {exc}"
+    return None
+
+
+def _one_model_app(args: argparse.Namespace, console: Console, speculative, access=None):
+    """(app, guard) for one model on one :class:`~minillm.serve.worker.Worker`; prints the banner.
+    ``access``: keys, quotas and the rest (``auth.Access``; None: an open server)."""
     from .app import create_app
     from .events import EventBus
-    from .flags import worker_options
+    from .flags import base_url, worker_options
     from .metrics import ServerMetrics
     from .reliability import Guard
     from .worker import Worker
@@ -101,10 +128,9 @@ def _one_model_app(args: argparse.Namespace, console: Console, speculative):
         guard=Guard(metrics, stream_buffer=args.stream_buffer, test_faults=args.test_faults),
         speculative=speculative,
     )
-    app = create_app(worker, max_request_bytes=args.max_request_bytes)
+    app = create_app(worker, max_request_bytes=args.max_request_bytes, access=access)
     console.print(
-        f"minillm serve: {served} on http://{args.host}:{args.port} (loading in the background; "
-        "GET /health answers 200 when ready)"
+        f"minillm serve: {served} on {base_url(args)} (loading in the background; GET /health answers 200 when ready)"
     )
     return app, worker.guard
 
@@ -131,6 +157,8 @@ def serve_app(app, guard, sock: socket.socket, args: argparse.Namespace, console
         timeout_graceful_shutdown=2,  # after the drain: only the last bytes of answers are left to send
         http=SmallBufferH11,  # uvicorn's h11: its header limit is the one --max-header-bytes sets
         h11_max_incomplete_event_size=args.max_header_bytes,
+        ssl_certfile=args.ssl_certfile,  # HTTPS when given (checked by tls_problem before the bind)
+        ssl_keyfile=args.ssl_keyfile,
     )
     server = DrainingServer(config, guard, args.shutdown_timeout, console)
     # `sock`, bound before the banner (a port in use is said first): accepted connections inherit its

@@ -34,6 +34,7 @@ class TraceStore:
             "queue_wait_s": wait,
             "note": note,
             "slow_motion_s": job.slow_motion_s,  # seconds it sat out after each step (not in the metrics)
+            "key": job.owner,  # the label of the key that sent it (who may read this record: privacy.py)
             "events": [_event_dict(e) for e in events],
         }
         with self._lock:

@@ -36,6 +36,7 @@ from .events import EventBus
 from .jobs import Active, Job, Outcome, QueueFullError
 from .live import LiveFeed
 from .metrics import ServerMetrics
+from .privacy import request_tracer
 from .reliability import Guard, GuardedRequest, MiniLLMBug, describe, hold_admission
 from .traces import TraceStore
 
@@ -58,7 +59,7 @@ class Worker:
         request_timeout_s: seconds from arrival (queue wait included) after which a request stops
             with StopReason.TIMEOUT; None: no limit.
         max_seq_len: cap on each request's KV cache (positions); None: the model's context.
-        verbosity: the trace printed on ``console`` for every request (quiet, summary, steps, full).
+        verbosity: the console's trace per request (quiet, summary, steps, full); its text only with log_prompts.
         startup_delay_s: sleep this long before loading (tests and the lesson watch /health say 503).
         keep_traces: how many finished requests' traces ``trace()`` remembers (oldest dropped).
         events: the bus GET /v1/events reads (``events.py``); default a ring of 4096 events.
@@ -76,6 +77,7 @@ class Worker:
         threads: int | None = None,
         warmup: bool = True,
         verbosity: str = "summary",
+        log_prompts: bool = False,
         console=None,
         startup_delay_s: float = 0.0,
         keep_traces: int = 100,
@@ -91,7 +93,7 @@ class Worker:
         self.speculative = speculative  # the default for requests that do not name a draft
         self.metrics, self.request_timeout_s, self.max_seq_len = metrics, request_timeout_s, max_seq_len
         self.threads, self.warmup, self.startup_delay_s = threads, warmup, startup_delay_s
-        self.verbosity, self.console = verbosity, console
+        self.verbosity, self.console, self.log_prompts = verbosity, console, log_prompts
         self.model: minillm.Model | None = None
         self.status = "starting"  # starting -> loading -> ready | failed
         self.error: str | None = None
@@ -257,8 +259,7 @@ class Worker:
         return min(ctx, self.max_seq_len) if self.max_seq_len else ctx
 
     def _tracer(self) -> minillm.Tracer:
-        console = self.console if self.verbosity != "quiet" else None
-        return minillm.Tracer(console, verbosity=self.verbosity, live=False)
+        return request_tracer(self.console, self.verbosity, self.log_prompts)
 
     # --- requests joining and leaving the batch -------------------------------------------------
     def _take_jobs(self, block: bool, timeout: float | None = None) -> None:
@@ -301,7 +302,8 @@ class Worker:
             return
         tracer = self._tracer()
         if tracer.console is not None:
-            tracer.console.rule(f"request {job.request_id}  (waited {wait * 1e3:.1f} ms in the queue)")
+            key = f"key {job.owner}, " if job.owner else ""  # the key's label, never the key
+            tracer.console.rule(f"request {job.request_id}  ({key}waited {wait * 1e3:.1f} ms in the queue)")
         try:
             prepared = prepare(self.model, job.prompt, chat=job.chat)  # rendered, tokenized once: the request takes it
             n_prompt = len(prepared[1])

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from event_reader import Reader
 from servers import metrics, running_server
 
 from minillm.serve.events import EventBus, TooManySubscribers
@@ -78,45 +79,6 @@ def server(tmp_path_factory):
     flags = ("--events-buffer", "48", "--max-event-subscribers", "24", "-v", "quiet")
     with running_server(tmp_path_factory.mktemp("events"), *flags) as (url, log):
         yield url, log
-
-
-class Reader:
-    """A subscriber on its own thread: every event (with its id) and comment it receives."""
-
-    def __init__(self, url: str, last_id: str | None = None):
-        self.events, self.comments, self.hellos, self.stop = [], [], [], threading.Event()
-        headers = {"Last-Event-ID": last_id} if last_id is not None else {}
-        self.thread = threading.Thread(target=self._read, args=(url, headers), daemon=True)
-        self.thread.start()
-
-    def _read(self, url, headers):
-        try:
-            self._lines(url, headers)
-        except httpx.HTTPError:  # the server stopped at the end of the module
-            pass
-
-    def _lines(self, url, headers):
-        with httpx.stream("GET", url + "/v1/events", headers=headers, timeout=None) as r:
-            eid = None
-            for line in r.iter_lines():
-                if line.startswith(":"):
-                    self.comments.append(line)
-                elif line.startswith("id: "):
-                    eid = int(line[4:])
-                elif line.startswith("data: "):
-                    event = json.loads(line[6:])
-                    if event["type"] == "hello":  # each stream's first, without an id: which server this is
-                        self.hellos.append(event)
-                    else:
-                        self.events.append((eid, event))
-                if self.stop.is_set():
-                    return
-
-    def wait(self, done, timeout=300.0):
-        deadline = time.monotonic() + timeout
-        while not done(self.events):
-            assert time.monotonic() < deadline, f"timed out; last events {self.events[-3:]}"
-            time.sleep(0.02)
 
 
 def chat(url, prompt, max_tokens, **extra):

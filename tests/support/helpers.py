@@ -13,15 +13,16 @@ import numpy as np
 
 
 def run_bench(url: str, model: str, out: Path, *, concurrency: str, requests: int, prompt_tokens: int,
-              max_tokens: int) -> subprocess.CompletedProcess:
+              max_tokens: int, extra: tuple = (), env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m minillm bench`` against ``url`` the way a user would (a subprocess, 160
-    columns, results written as JSON to ``out``); return the finished process, output captured as text.
+    columns, results written as JSON to ``out``; ``extra`` flags after the others, ``env`` variables over
+    the test's); return the finished process, output captured as text.
     The caller asserts on its return code: a failed bench is a test's finding, not an exception here."""
     cmd = [sys.executable, "-m", "minillm", "bench", "--url", url, "--model", model, "--concurrency", concurrency,
            "--requests", str(requests), "--prompt-tokens", str(prompt_tokens), "--max-tokens", str(max_tokens),
-           "--json", str(out)]  # fmt: skip
+           "--json", str(out), *extra]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "COLUMNS": "160"})
+                          env={**os.environ, "COLUMNS": "160", **(env or {})})
 
 
 def release_memory() -> None:

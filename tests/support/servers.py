@@ -22,17 +22,28 @@ MODEL = "smollm2-135m-instruct"
 @contextmanager
 def running_server(tmp_path: Path, *flags: str, wait_ready: bool = True, model: str = MODEL):
     """Start ``python -m minillm serve MODEL`` on a free port; yield (base url, log path); stop it."""
+    with server_process(tmp_path, *flags, wait_ready=wait_ready, model=model) as (_, url, log):
+        yield url, log
+
+
+@contextmanager
+def server_process(tmp_path: Path, *flags: str, wait_ready: bool = True, model: str = MODEL, env=None, verify=True):
+    """:func:`running_server` that also yields the process (a test may signal it): (process, base url, log
+    path). ``env``: variables over the test's; ``verify``: an ``ssl.SSLContext`` trusting the certificate
+    of a server started with ``--ssl-certfile`` (its URL is then ``https://``)."""
     port = free_port()
     log = tmp_path / f"serve-{port}.log"
     cmd = [sys.executable, "-m", "minillm", "serve", model, "--port", str(port), "--threads", "1", *flags]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "100"})
-    url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "100", **(env or {})}
+        )
+    url = f"{'https' if '--ssl-certfile' in flags else 'http'}://127.0.0.1:{port}"
     try:
-        wait_for(url, lambda r: r is not None, proc, log)  # listening (any answer)
+        wait_for(url, lambda r: r is not None, proc, log, verify=verify)  # listening (any answer)
         if wait_ready:
-            wait_for(url, ready, proc, log)
-        yield url, log
+            wait_for(url, ready, proc, log, verify=verify)
+        yield proc, url, log
     finally:
         stop(proc)
 
@@ -42,10 +53,12 @@ def chat_body(**fields) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
 
 
-def metrics(url: str) -> dict[str, float]:
-    """/metrics as {sample name + labels: value}."""
+def metrics(url: str, headers: dict | None = None, verify=True) -> dict[str, float]:
+    """/metrics as {sample name + labels: value} (``headers``: a key, for a server that holds keys)."""
     out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+    answer = httpx.get(url + "/metrics", headers=headers, verify=verify)
+    assert answer.status_code == 200, answer.text
+    for family in text_string_to_metric_families(answer.text):
         for s in family.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
