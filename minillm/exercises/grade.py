@@ -110,7 +110,7 @@ def _student_frames(exc: BaseException, files: set[str]) -> str:
 
 def _grade_here(unit: Unit, ns, files: set[str], grading: Grading, source: str) -> Verdict:
     """Both stages on ``ns`` (an object with the unit's names), in this process."""
-    verdict = Verdict(unit.name, "failed", unit.lesson, seed=grading.seed)
+    verdict = Verdict(unit=unit.name, status="failed", lesson=unit.lesson, seed=grading.seed)
     ctx = Context(seed=grading.seed, examples=grading.examples, tokenizer_factory=grading.tokenizer)
     try:
         verdict.stage = "unit cases"
@@ -149,7 +149,7 @@ def _child(unit: Unit, load, grading: Grading, source: str, conn) -> None:
     try:
         ns, files = load()
     except Exception as e:  # noqa: BLE001
-        v = Verdict(unit.name, "failed", unit.lesson, stage="import", seed=grading.seed)
+        v = Verdict(unit=unit.name, status="failed", lesson=unit.lesson, stage="import", seed=grading.seed)
         v.message = f"the file cannot be imported: {type(e).__name__}: {e}"
         v.traceback = _student_frames(e, {os.path.realpath(source)} | files)
         conn.send(v.as_dict())
@@ -177,8 +177,7 @@ def grade_unit(unit: Unit, load, grading: Grading, source: str) -> Verdict:
             except EOFError:
                 verdict = None
         else:
-            verdict = Verdict(
-                unit.name, "failed", unit.lesson, stage="time", seed=grading.seed,
+            verdict = Verdict(unit=unit.name, status="failed", lesson=unit.lesson, stage="time", seed=grading.seed,
                 message=f"stopped after {grading.timeout:g} s: the unit did not finish (an endless loop?)",
             )  # fmt: skip
     finally:
@@ -187,8 +186,7 @@ def grade_unit(unit: Unit, load, grading: Grading, source: str) -> Verdict:
         process.join()
         parent.close()
     if verdict is None:
-        verdict = Verdict(
-            unit.name, "failed", unit.lesson, stage="crash", seed=grading.seed,
+        verdict = Verdict(unit=unit.name, status="failed", lesson=unit.lesson, stage="crash", seed=grading.seed,
             message=f"the grading process died (exit code {process.exitcode}) while running your code",
         )  # fmt: skip
     verdict.seconds = time.perf_counter() - start
@@ -211,18 +209,38 @@ def grade_folder(folder, units: list[str] | None = None, grading: Grading | None
         file = unit_path(path, unit.name)
         if not file.is_file():
             verdicts.append(
-                Verdict(unit.name, "not started", unit.lesson, message=f"{file.name} is missing", seed=grading.seed)
+                Verdict(
+                    unit=unit.name,
+                    status="not started",
+                    lesson=unit.lesson,
+                    message=f"{file.name} is missing",
+                    seed=grading.seed,
+                )
             )
             continue
         try:
             started = is_started(file.read_text(encoding="utf-8"), unit.names)
         except (OSError, UnicodeDecodeError) as e:
             verdicts.append(
-                Verdict(unit.name, "failed", unit.lesson, stage="import", message=f"{file} cannot be read: {e}")
+                Verdict(
+                    unit=unit.name,
+                    status="failed",
+                    lesson=unit.lesson,
+                    stage="import",
+                    message=f"{file} cannot be read: {e}",
+                )
             )
             continue
         if not started:
-            verdicts.append(Verdict(unit.name, "not started", unit.lesson, message="still the stub", seed=grading.seed))
+            verdicts.append(
+                Verdict(
+                    unit=unit.name,
+                    status="not started",
+                    lesson=unit.lesson,
+                    message="still the stub",
+                    seed=grading.seed,
+                )
+            )
             continue
         real = os.path.realpath(file)
 

@@ -54,35 +54,41 @@ class Unit:
 
 
 _P, _S, _K = "minillm.model.primitives", "minillm.runtime.sampling", "minillm.model.paged_kv_cache"
+_ADDRESSES = "address math: its cases are the whole of it"
 _NO_SLIDING = "SmolLM2 has no sliding-window layers (Gemma 3 does: lesson 5 shows them)"
 
 #: Every unit, in the order a request meets them.
 UNITS: tuple[Unit, ...] = (
-    Unit("causal_mask", _P, "03_causal_mask_and_attention", "model"),
-    Unit("sliding_window_mask", _P, "05_kv_cache", "", _NO_SLIDING),
-    Unit("softmax", _P, "03_causal_mask_and_attention", "model"),
-    Unit("rms_norm", _P, "minillm/model/primitives.py", "model"),
-    Unit("apply_rope", _P, "minillm/model/primitives.py", "model"),
-    Unit("attention", _P, "03_causal_mask_and_attention", "model"),
-    Unit("silu", _P, "minillm/model/primitives.py", "model"),
-    Unit("KVCache", "minillm.model.kv_cache", "05_kv_cache", "model"),
-    Unit("apply_temperature", _S, "06_selection", "closed form"),
-    Unit("apply_top_k", _S, "06_selection", "closed form"),
-    Unit("apply_top_p", _S, "06_selection", "closed form"),
-    Unit("apply_min_p", _S, "06_selection", "closed form"),
-    Unit("apply_repetition_penalty", _S, "16_the_samplers_controls", "closed form"),
+    Unit(name="causal_mask", module=_P, lesson="03_causal_mask_and_attention", inside="model"),
+    Unit(name="sliding_window_mask", module=_P, lesson="05_kv_cache", inside="", why=_NO_SLIDING),
+    Unit(name="softmax", module=_P, lesson="03_causal_mask_and_attention", inside="model"),
+    Unit(name="rms_norm", module=_P, lesson="minillm/model/primitives.py", inside="model"),
+    Unit(name="apply_rope", module=_P, lesson="minillm/model/primitives.py", inside="model"),
+    Unit(name="attention", module=_P, lesson="03_causal_mask_and_attention", inside="model"),
+    Unit(name="silu", module=_P, lesson="minillm/model/primitives.py", inside="model"),
+    Unit(name="KVCache", module="minillm.model.kv_cache", lesson="05_kv_cache", inside="model"),
+    Unit(name="apply_temperature", module=_S, lesson="06_selection", inside="closed form"),
+    Unit(name="apply_top_k", module=_S, lesson="06_selection", inside="closed form"),
+    Unit(name="apply_top_p", module=_S, lesson="06_selection", inside="closed form"),
+    Unit(name="apply_min_p", module=_S, lesson="06_selection", inside="closed form"),
+    Unit(name="apply_repetition_penalty", module=_S, lesson="16_the_samplers_controls", inside="closed form"),
     Unit(
-        "IncrementalDetokenizer",
-        "minillm.text.detokenize",
-        "07_stopping_and_streaming",
-        "",
-        "unit cases run on SmolLM2's own tokenizer",
+        name="IncrementalDetokenizer",
+        module="minillm.text.detokenize",
+        lesson="07_stopping_and_streaming",
+        inside="",
+        why="unit cases run on SmolLM2's own tokenizer",
     ),
-    Unit("blocks_for", _K, "11_batching_and_the_kv_cache_pool", "", "address math: its cases are the whole of it"),
-    Unit("slots", _K, "11_batching_and_the_kv_cache_pool", "", "address math: its cases are the whole of it"),
-    Unit("block_hashes", _K, "11_batching_and_the_kv_cache_pool", "", "address math: its cases are the whole of it"),
-    Unit("acceptance_probability", "minillm.runtime.speculative", "15_speculative_decoding", "closed form"),
-    Unit("residual", "minillm.runtime.speculative", "15_speculative_decoding", "closed form"),
+    Unit(name="blocks_for", module=_K, lesson="11_batching_and_the_kv_cache_pool", inside="", why=_ADDRESSES),
+    Unit(name="slots", module=_K, lesson="11_batching_and_the_kv_cache_pool", inside="", why=_ADDRESSES),
+    Unit(name="block_hashes", module=_K, lesson="11_batching_and_the_kv_cache_pool", inside="", why=_ADDRESSES),
+    Unit(
+        name="acceptance_probability",
+        module="minillm.runtime.speculative",
+        lesson="15_speculative_decoding",
+        inside="closed form",
+    ),
+    Unit(name="residual", module="minillm.runtime.speculative", lesson="15_speculative_decoding", inside="closed form"),
 )
 
 BY_NAME = {u.name: u for u in UNITS}
