@@ -295,9 +295,11 @@ def test_weights_match_transformers_gguf_loader(smollm2_gguf, converted):
     # transformers dequantizes with the same gguf package and undoes the q/k permutation itself, so
     # equal tensors prove our names, shapes and un-permutation. lm_head is tied to the embedding.
     import torch
+    from helpers import release_memory
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
+    release_memory()  # the module's earlier tests' freed heap back to the system: transformers' loader peaks here
     ref = AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
     )
@@ -312,6 +314,8 @@ def test_weights_match_transformers_gguf_loader(smollm2_gguf, converted):
             got = ours.get_tensor(name)
             assert got.shape == want.shape and got.dtype == np.float32, name
             assert np.max(np.abs(got - want)) < 1e-6, name
+    del ref, ref_sd
+    release_memory()
 
 
 @pytest.mark.slow
