@@ -193,6 +193,11 @@ def grade_unit(unit: Unit, load, grading: Grading, source: str) -> Verdict:
     return verdict
 
 
+def _verdict(unit: Unit, grading: Grading, status: str, message: str, stage: str = "") -> Verdict:
+    """A verdict given without running the unit (missing, unreadable, still the stub)."""
+    return Verdict(unit=unit.name, status=status, lesson=unit.lesson, stage=stage, message=message, seed=grading.seed)
+
+
 def grade_folder(folder, units: list[str] | None = None, grading: Grading | None = None) -> list[Verdict]:
     """Grade ``units`` (default: all) of a student folder.
 
@@ -208,39 +213,15 @@ def grade_folder(folder, units: list[str] | None = None, grading: Grading | None
     for unit in chosen:
         file = unit_path(path, unit.name)
         if not file.is_file():
-            verdicts.append(
-                Verdict(
-                    unit=unit.name,
-                    status="not started",
-                    lesson=unit.lesson,
-                    message=f"{file.name} is missing",
-                    seed=grading.seed,
-                )
-            )
+            verdicts.append(_verdict(unit, grading, "not started", f"{file.name} is missing"))
             continue
         try:
             started = is_started(file.read_text(encoding="utf-8"), unit.names)
         except (OSError, UnicodeDecodeError) as e:
-            verdicts.append(
-                Verdict(
-                    unit=unit.name,
-                    status="failed",
-                    lesson=unit.lesson,
-                    stage="import",
-                    message=f"{file} cannot be read: {e}",
-                )
-            )
+            verdicts.append(_verdict(unit, grading, "failed", f"{file} cannot be read: {e}", stage="import"))
             continue
         if not started:
-            verdicts.append(
-                Verdict(
-                    unit=unit.name,
-                    status="not started",
-                    lesson=unit.lesson,
-                    message="still the stub",
-                    seed=grading.seed,
-                )
-            )
+            verdicts.append(_verdict(unit, grading, "not started", "still the stub"))
             continue
         real = os.path.realpath(file)
 
