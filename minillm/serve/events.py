@@ -9,9 +9,11 @@
 
 The worker only appends to the ring (a lock held for one append) and schedules one wake-up on
 the loop: a slow or stuck subscriber cannot slow the model, it only falls behind until the ring
-forgets what it has not sent, and then it is dropped. A page that reconnects with
-``Last-Event-ID: N`` gets the events after N; an id the ring does not hold starts from the
-oldest kept event, which an SSE comment line says. Each stream then opens with one ``hello``
+forgets what it has not sent, and then it is dropped. Its cursor moves only when a send completes:
+a send that hangs leaves its frames counted as unsent, so a stuck reader is dropped as soon as the
+ring overwrites the first of them, and a slow reader gets every frame or is dropped, never a gap.
+A page that reconnects with ``Last-Event-ID: N`` gets the events after N; an id the ring does
+not hold starts from the oldest kept event, which an SSE comment line says. Each stream then opens with one ``hello``
 event that has no ``id:`` (so a reconnect's Last-Event-ID is untouched): ``server`` names this
 process (random per start: a page that sees it change knows the server restarted and its step
 numbers began again), ``oldest`` and ``newest`` the ids the ring keeps. With no subscriber,
@@ -48,8 +50,8 @@ class TooManySubscribers(Exception):
 
 @dataclass(eq=False, kw_only=True)
 class Subscriber:
-    """One connected stream: ``cursor`` is the id of the last event handed to it (or passed over:
-    ``viewer`` says which events it may see, ``privacy.py``)."""
+    """One connected stream: ``cursor`` is the id of the last event whose send completed (or that was
+    passed over: ``viewer`` says which events it may see, ``privacy.py``)."""
 
     number: int
     peer: str
@@ -130,13 +132,20 @@ class EventBus:
     def _wake(self) -> None:
         """On the loop: drop subscribers the ring has left behind, wake the others."""
         self._wake_pending = False
-        oldest, _ = self._span()
         for sub in list(self._subs):
-            if sub.cursor + 1 < oldest:
-                missed = oldest - sub.cursor - 1
-                self.drop(sub, f"it fell behind: {missed} events it had not been sent left the ring of {self.capacity}")
+            if self.behind(sub):
+                self.drop(sub, self._behind_reason(sub))
             else:
                 sub.wake.set()
+
+    def behind(self, sub: Subscriber) -> bool:
+        """True when an event the subscriber has not been sent (a send still under way counts as not
+        sent) has left the ring."""
+        return sub.cursor + 1 < self._span()[0]
+
+    def _behind_reason(self, sub: Subscriber) -> str:
+        missed = self._span()[0] - sub.cursor - 1
+        return f"it fell behind: {missed} events it had not been sent left the ring of {self.capacity}"
 
     def drop(self, sub: Subscriber, reason: str) -> None:
         """Disconnect a subscriber and log why (on the loop)."""
@@ -184,28 +193,41 @@ class EventBus:
 
     def take(self, sub: Subscriber, limit: int = 256) -> list[bytes]:
         """The frames after the subscriber's cursor that its viewer may see, of the next ``limit``
-        events (advancing the cursor past all of them)."""
+        events, counted as sent at once (the cursor moves past all of them)."""
+        last, frames = self.pending(sub, limit)
+        sub.cursor = max(sub.cursor, last)
+        return frames
+
+    def pending(self, sub: Subscriber, limit: int = 256) -> tuple[int, list[bytes]]:
+        """(id of the last of the next ``limit`` events after the cursor, the frames of them its viewer
+        may see); the cursor stays until the send completes (``stream``), so while a send hangs the
+        wake-up's drop check still counts those events as unsent. (cursor, []) when nothing is after
+        the cursor, or when the event after it already left the ring (the wake-up drops it)."""
         with self._lock:
             if not self._ring:
-                return []
+                return sub.cursor, []
             first = sub.cursor + 1 - self._ring[0][0]
             if first < 0 or first >= len(self._ring):
-                return []
+                return sub.cursor, []
             entries = list(itertools.islice(self._ring, first, first + limit))
-        sub.cursor += len(entries)
         frames = (frame_for(sub.viewer, owner, frame, shapes) for _, frame, owner, shapes in entries)
-        return [f for f in frames if f is not None]
+        return entries[-1][0], [f for f in frames if f is not None]
 
     async def stream(self, sub: Subscriber, opening: str, send) -> None:
         """Send the subscriber its events until it leaves or is dropped (an ASGI ``send``)."""
         await send({"type": "http.response.body", "body": (opening + self.hello()).encode(), "more_body": True})
         while sub.dropped is None:
-            frames = self.take(sub)
+            last, frames = self.pending(sub)
             if frames:
                 await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
+            if last > sub.cursor:  # sent (or passed over: events its viewer may not see)
+                sub.cursor = last
                 continue
+            if self.behind(sub):  # the event after its cursor left the ring before the wake-up ran
+                self.drop(sub, self._behind_reason(sub))
+                return
             sub.wake.clear()
-            if self.take_ready(sub):  # published meanwhile, or passed over (events its viewer may not see)
+            if self.take_ready(sub):  # published meanwhile
                 continue
             try:
                 await asyncio.wait_for(sub.wake.wait(), KEEPALIVE_S)

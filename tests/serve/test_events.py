@@ -57,6 +57,61 @@ def test_ring_resume_unknown_id_cap_and_drop():
     run(body())
 
 
+def _ids(bodies: list[bytes]) -> list[int]:
+    return [int(line[4:]) for body in bodies for line in body.decode().splitlines() if line.startswith("id: ")]
+
+
+def test_a_send_that_hangs_counts_its_frames_as_unsent():
+    """Ring of 4. A reader's send of ids 1..2 hangs (its socket takes nothing); the cursor stays at 0
+    until that send completes, so when id 5 pushes id 1 out of the ring the reader is dropped at once
+    (a cursor moved before the send would wait for id 7). A second reader whose send is only slow gets
+    every id in order, with no gap, or would be dropped: never a skip."""
+
+    async def body():
+        log: list[str] = []
+        bus = EventBus(capacity=4, log=log.append)
+        stuck, opening = bus.subscribe(None, "stuck")
+        slow, slow_opening = bus.subscribe(None, "slow")
+        gate, slow_gate = asyncio.Event(), asyncio.Event()
+        got: list[bytes] = []
+
+        async def stuck_send(message):
+            if b"id: " in message["body"]:
+                await gate.wait()  # never set: the frames are handed over but never taken
+
+        async def slow_send(message):
+            if b"id: " in message["body"]:
+                await slow_gate.wait()
+                got.append(message["body"])
+
+        for i in (1, 2):
+            bus.publish("step", {"i": i})
+        tasks = [asyncio.create_task(bus.stream(stuck, opening, stuck_send))]
+        tasks.append(asyncio.create_task(bus.stream(slow, slow_opening, slow_send)))
+        for _ in range(3):
+            await asyncio.sleep(0)  # both streams are now inside the send of ids 1..2
+        assert (stuck.cursor, slow.cursor) == (0, 0)
+        for i in (3, 4):
+            bus.publish("step", {"i": i})
+            await asyncio.sleep(0)
+        assert stuck.dropped is None  # the ring (1..4) still holds id 1
+        slow_gate.set()  # the slow reader's send completes: 1..2, then 3..4
+        for _ in range(6):
+            await asyncio.sleep(0)
+        assert slow.cursor == 4 and _ids(got) == [1, 2, 3, 4]
+        bus.publish("step", {"i": 5})  # the ring is 2..5: id 1, never received by "stuck", is gone
+        await asyncio.sleep(0)
+        assert stuck.dropped == "it fell behind: 1 events it had not been sent left the ring of 4"
+        assert stuck.cursor == 0 and log[0].endswith("it may reconnect with Last-Event-ID 0")
+        for _ in range(6):
+            await asyncio.sleep(0)
+        assert slow.dropped is None and _ids(got) == [1, 2, 3, 4, 5]
+        for task in tasks:
+            task.cancel()
+
+    run(body())
+
+
 def test_ui_without_its_file_is_a_404_naming_why(tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
 
