@@ -170,7 +170,8 @@ class ConstraintState:
         self.constraint = as_constraint(constraint)
         self.vocab = model.config.vocab_size
         self.eos = frozenset(model.tokenizer.eos_token_ids)
-        self.matcher = _llguidance().LLMatcher(_engine_tokenizer(model), grammar_for(model, self.constraint))
+        self.engine, self.grammar = _engine_tokenizer(model), grammar_for(model, self.constraint)
+        self.matcher = _llguidance().LLMatcher(self.engine, self.grammar)
         self.mask_s = 0.0  # the last mask's time, seconds
 
     def allowed(self) -> np.ndarray:
@@ -199,6 +200,17 @@ class ConstraintState:
         """True when the output so far is a whole document of the grammar."""
         return bool(self.matcher.is_accepting())
 
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` consumed tokens (a forced run the request cut before it reached the text)."""
+        if n > 0:
+            self.matcher.rollback(n)
+
+    def accepts(self, text: str) -> bool:
+        """True when ``text`` is a whole document: a fresh matcher walked along it. For a text a stop
+        string (or stop ids) cut, which may end before, or inside, the ids the live matcher consumed."""
+        matcher = _llguidance().LLMatcher(self.engine, self.grammar, log_level=0)  # a refusal is an answer here
+        return bool(matcher.consume_tokens(self.engine.tokenize_str(text)) and matcher.is_accepting())
+
     def advance(self, token: int) -> list[int]:
         """Consume a sampled ``token`` (an EOS ends the request: nothing to consume), then the run
         the grammar forces after it, if any; return that run (consumed too)."""
@@ -216,9 +228,13 @@ def forced_logprobs(token: int) -> dict:
     return {"id": int(token), "logprob": 0.0, "top": [(int(token), 0.0)]}
 
 
-def incomplete(state: ConstraintState | None, reason, max_new_tokens: int) -> str | None:
-    """Why a constrained output is not a whole document (None when it is, or without a constraint)."""
-    if state is None or state.complete:
+def incomplete(state: ConstraintState | None, reason, max_new_tokens: int, cut_text: str | None = None) -> str | None:
+    """Why a constrained output is not a whole document (None when it is, or without a constraint).
+
+    The matcher's state at the cut decides: the live matcher, which consumed exactly the output's ids
+    (``Request`` rolls back a forced run cut short), or, when the stop chain cut the text short of its
+    ids (``cut_text``: a stop string or stop ids), a matcher walked along that text."""
+    if state is None or (state.complete if cut_text is None else state.accepts(cut_text)):
         return None
     return (
         f"the output stopped ({reason.value}) before its {state.constraint.kind} was complete, so it will not "

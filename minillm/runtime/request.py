@@ -279,9 +279,12 @@ class Request:
         forced = self.constraint.advance(token) if self.constraint is not None and self.stop_reason is None else []
         if allowed is not None:
             self.emit("mask", now, self.constraint.mask_s, allowed=allowed, token=token, forced=forced)
+        kept = 0
         for f in forced:  # the grammar's only way on: no sampling, probability 1
             if self.stop_reason is None:
-                delta += self._append(f, None)
+                delta, kept = delta + self._append(f, None), kept + 1
+        if kept < len(forced):  # a stop cut the run: the matcher goes back to where the ids end
+            self.constraint.rollback(len(forced) - kept)
         return delta, forced
 
     def _append(self, token: int, probs: np.ndarray | None) -> str:
@@ -355,8 +358,8 @@ class Request:
             self.condition = self.timeout_s
         elif reason is StopReason.EOS:
             self.condition = self.new_ids[-1]
-        model = self.model
-        now = time.perf_counter()
+        model, now = self.model, time.perf_counter()
+        cut = self.output.text if self.output.stop_reason is not None else None  # the stop chain trimmed the text
         self.emit(
             "stop",
             now,
@@ -391,5 +394,5 @@ class Request:
             metrics=self.metrics,
             stop_condition=self.condition,
             logprobs=self.logprobs,
-            incomplete=constraint_module.incomplete(self.constraint, reason, self.max_new_tokens),
+            incomplete=constraint_module.incomplete(self.constraint, reason, self.max_new_tokens, cut),
         )

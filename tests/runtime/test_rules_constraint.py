@@ -59,3 +59,31 @@ def test_a_stop_on_the_token_before_a_forced_run_leaves_it_incomplete(model, opt
     ):
         assert (r.text, r.stop_reason) == (text, reason)
         assert r.incomplete is not None and f"stopped ({reason.value}) before its regex was complete" in r.incomplete
+
+
+LONG_RUN = Constraint.regex("hello wonderful world")  # after "hello" the grammar forces " wonderful world"
+
+
+@pytest.mark.parametrize(
+    ("options", "text", "reason"),
+    [
+        ({"max_new_tokens": 2}, "hello wonderful", minillm.StopReason.MAX_NEW_TOKENS),
+        ({"max_new_tokens": 9, "stop": ["wor"]}, "hello wonderful ", minillm.StopReason.STOP_STRING),
+        ({"max_new_tokens": 9, "stop": ["world"], "include_stop_string": True}, "hello wonderful world", None),
+    ],
+)
+def test_a_cut_inside_a_forced_run_is_reported_from_the_text(model, options, text, reason):
+    """A stop inside the run the grammar forces: the matcher must stand where the text ends, not at the
+    end of the run it consumed whole, so ``incomplete`` agrees with the text: set when the text is cut
+    (max_new_tokens inside the run, a stop string that trims "world"), None when the text is the whole
+    document (the stop string kept in the text)."""
+    for r in (
+        minillm.generate(model, "Say hi", params(model), constraint=LONG_RUN, **options),
+        minillm.generate_batch(model, ["Say hi"], params(model), constraint=LONG_RUN, **options)[0],
+    ):
+        assert r.text == text
+        if reason is None:
+            assert r.incomplete is None, r.incomplete
+        else:
+            assert r.stop_reason is reason
+            assert r.incomplete is not None and f"stopped ({reason.value}) before its regex" in r.incomplete

@@ -306,3 +306,24 @@ def test_max_tokens_cutting_the_json_short_is_length_with_an_error(client):
     assert last.finish_reason == "length" and "will not parse" in last.model_extra["minillm_error"], last
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "content", "cut"),
+    [(2, '"affirm', True), (5, '"affirmative and final', True), (6, '"affirmative and final"', False)],
+)
+def test_a_cut_inside_a_const_is_reported_as_the_text_reads(client, max_tokens, content, cut):
+    """A const the grammar forces to the document's end, cut by max_tokens inside it: minillm_error is
+    set exactly when the text does not parse, whole and streamed alike (the matcher stands where the
+    text ends, not at the end of the run it was forced to)."""
+    verdict = schema_format({"const": "affirmative and final"})
+    kwargs = dict(temperature=0, max_tokens=max_tokens, response_format=verdict)
+    choice = create(client, "Give a verdict.", **kwargs).choices[0]
+    chunks = [c for c in create(client, "Give a verdict.", **kwargs, stream=True) if c.choices]
+    last = chunks[-1].choices[0]
+    assert choice.message.content == "".join(c.choices[0].delta.content or "" for c in chunks) == content
+    assert choice.finish_reason == last.finish_reason == "length"
+    for error in (choice.model_extra["minillm_error"], last.model_extra["minillm_error"]):
+        assert (error is not None and "will not parse" in error) if cut else error is None, error
+    if not cut:
+        assert json.loads(content) == "affirmative and final"
