@@ -274,18 +274,18 @@ class Request:
 
     def _add(self, token: int, probs, now: float, allowed) -> tuple[str, list[int]]:
         """A chosen token, then any run the constraint forces after it, through :meth:`_append`: the text
-        released and the forced ids."""
+        released and the forced ids appended (a stop may cut the run)."""
         delta = self._append(token, probs)
         forced = self.constraint.advance(token) if self.constraint is not None and self.stop_reason is None else []
-        if allowed is not None:
-            self.emit("mask", now, self.constraint.mask_s, allowed=allowed, token=token, forced=forced)
         kept = 0
         for f in forced:  # the grammar's only way on: no sampling, probability 1
             if self.stop_reason is None:
                 delta, kept = delta + self._append(f, None), kept + 1
         if kept < len(forced):  # a stop cut the run: the matcher goes back to where the ids end
             self.constraint.rollback(len(forced) - kept)
-        return delta, forced
+        if allowed is not None:
+            self.emit("mask", now, self.constraint.mask_s, allowed=allowed, token=token, forced=forced[:kept])
+        return delta, forced[:kept]
 
     def _append(self, token: int, probs: np.ndarray | None) -> str:
         """One new id through the logprobs, the stop criteria and the stop chain; the text it releases."""

@@ -13,11 +13,11 @@ forgets what it has not sent, and then it is dropped. Its cursor moves only when
 a send that hangs leaves its frames counted as unsent, so a stuck reader is dropped as soon as the
 ring overwrites the first of them, and a slow reader gets every frame or is dropped, never a gap.
 A page that reconnects with ``Last-Event-ID: N`` gets the events after N; an id the ring does
-not hold starts from the oldest kept event, which an SSE comment line says. Each stream then opens with one ``hello``
-event that has no ``id:`` (so a reconnect's Last-Event-ID is untouched): ``server`` names this
-process (random per start: a page that sees it change knows the server restarted and its step
-numbers began again), ``oldest`` and ``newest`` the ids the ring keeps. With no subscriber,
-``active`` is False and the worker builds no event at all.
+not hold starts from the oldest kept event, which an SSE comment line says. Each stream then opens
+with one ``hello`` event that has no ``id:`` (so a reconnect's Last-Event-ID is untouched):
+``server`` names this process (random per start: a page that sees it change knows the server
+restarted and its step numbers began again), ``oldest`` and ``newest`` the ids the ring keeps. With
+no subscriber, ``active`` is False and the worker builds no event at all.
 
 An event about one request carries its owner (the label of the key that sent it) and, when it holds
 text, a redacted copy: each subscriber is sent what its viewer may see (``privacy.frame_for``: the

@@ -76,12 +76,15 @@ def test_a_cut_inside_a_forced_run_is_reported_from_the_text(model, options, tex
     """A stop inside the run the grammar forces: the matcher must stand where the text ends, not at the
     end of the run it consumed whole, so ``incomplete`` agrees with the text: set when the text is cut
     (max_new_tokens inside the run, a stop string that trims "world"), None when the text is the whole
-    document (the stop string kept in the text)."""
+    document (the stop string kept in the text). The trace's forced runs are the ids the text got."""
+    tracer = minillm.Tracer()
     for r in (
-        minillm.generate(model, "Say hi", params(model), constraint=LONG_RUN, **options),
+        minillm.generate(model, "Say hi", params(model), constraint=LONG_RUN, tracer=tracer, **options),
         minillm.generate_batch(model, ["Say hi"], params(model), constraint=LONG_RUN, **options)[0],
     ):
         assert r.text == text
+        masks = [e.data for e in tracer.events if e.phase == "mask"]
+        assert sum(1 + len(m["forced"]) for m in masks) == len(r.ids)  # each sampled id, then its forced run
         if reason is None:
             assert r.incomplete is None, r.incomplete
         else:
