@@ -22,18 +22,6 @@ def top_candidates(probs: np.ndarray, k: int = 5) -> list[tuple[int, float]]:
     return [(int(i), float(probs[i])) for i in top]
 
 
-def token_logprobs(probs: np.ndarray, token: int, n: int) -> dict:
-    """The logprobs of one step in a distribution ``float32 [vocab]`` (e.g. the one sampled from):
-    ``{"id", "logprob", "top": [(id, logprob), ...]}`` with the ``n`` most likely alternatives
-    (natural log; an id at probability 0 gets -inf)."""
-    with np.errstate(divide="ignore"):
-        return {
-            "id": int(token),
-            "logprob": float(np.log(np.float64(probs[token]))),
-            "top": [(i, float(np.log(np.float64(q)))) for i, q in top_candidates(probs, n)] if n else [],
-        }
-
-
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """``log softmax(logits)`` of one row ``[vocab]``, in float64, measured from the largest logit."""
     z = np.asarray(logits, dtype=np.float64)

@@ -35,7 +35,7 @@ import numpy as np
 
 from minillm.errors import InvalidRequestError, SamplingParamsError
 from minillm.model.primitives import softmax  # noqa: F401 (the one softmax, re-exported for lessons and tests)
-from minillm.runtime.candidates import model_logprobs, token_logprobs, top_candidates  # noqa: F401 (re-exported)
+from minillm.runtime.candidates import model_logprobs, top_candidates  # noqa: F401 (re-exported)
 from minillm.runtime.numerics import as_float32_value, as_logits, limit_or_float32, probabilities  # noqa: F401
 from minillm.runtime.penalties import (
     apply_frequency_presence,
