@@ -116,16 +116,16 @@ def completion_logprobs(o: Outcome) -> p.CompletionLogprobs | None:
     return legacy_shape(o.logprobs)
 
 
-def legacy_shape(entries: list[dict] | None, before: list[dict] = ()) -> p.CompletionLogprobs | None:
-    """The legacy shape of ``entries`` (None for None); ``before``: the entries a stream already sent,
-    whose text counts in the offsets."""
+def legacy_shape(entries: list[dict] | None, start: int = 0) -> p.CompletionLogprobs | None:
+    """The legacy shape of ``entries`` (None for None); ``start``: the characters a stream already sent
+    (the first entry's offset)."""
     if entries is None:
         return None
     return p.CompletionLogprobs(
         tokens=[e["token"] for e in entries],
         token_logprobs=[e["logprob"] for e in entries],
         top_logprobs=[{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-        text_offset=lp.text_offsets([*before, *entries])[len(before) :],
+        text_offset=lp.text_offsets(entries, start),
     )
 
 
@@ -164,16 +164,17 @@ async def sse(job: Job, first, body, served_model: str, chat: bool, watcher: asy
     rid, include_usage = job.request_id, bool(body.stream_options and body.stream_options.include_usage)
     usage_none = {"usage": None} if include_usage else {}
 
-    sent: list[dict] = []  # the logprobs entries already streamed
+    sent = {"entries": 0, "chars": 0}  # the logprobs entries already streamed, and their characters
 
     def chunk(delta: str | None = None, role: str | None = None, outcome: Outcome | None = None):
         finish = FINISH_REASON[outcome.stop_reason] if outcome else None
         reason = outcome.stop_reason.value if outcome else None
         mine = getattr(delta, "logprobs", None)  # this delta's tokens' entries (a TextDelta)
         if outcome is not None and outcome.logprobs is not None:
-            mine = outcome.logprobs[len(sent) :] or None  # those that came with no text (if any)
-        before = list(sent)
-        sent.extend(mine or ())
+            mine = outcome.logprobs[sent["entries"] :] or None  # those that came with no text (if any)
+        start = sent["chars"]
+        sent["entries"] += len(mine or ())
+        sent["chars"] += len(lp.joined_bytes(mine or ()).decode("utf-8", errors="ignore"))
         if chat:
             choice = p.ChatCompletionChunkChoice(
                 delta=p.DeltaMessage(role=role, content=None if delta is None else str(delta)),
@@ -185,7 +186,7 @@ async def sse(job: Job, first, body, served_model: str, chat: bool, watcher: asy
             return p.ChatCompletionChunk(id=rid, model=served_model, choices=[choice], **usage_none)
         choice = p.CompletionChoice(
             text=str(delta or ""),
-            logprobs=legacy_shape(mine, before),
+            logprobs=legacy_shape(mine, start),
             finish_reason=finish,
             minillm_stop_reason=reason,
         )
