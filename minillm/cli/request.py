@@ -196,18 +196,22 @@ def run_request(args: argparse.Namespace, console: Console) -> int:
 
 
 def print_logprobs(console: Console, tokenizer, logprobs: list[dict]) -> None:
-    """``--top-logprobs N``: one row per new token, its log-probability (natural log, of the
-    distribution it was drawn from, as OpenAI's ``logprobs``) and the N most likely alternatives."""
+    """``--top-logprobs N``: one row per new token, its log-probability (natural log, the model's own
+    before any processor, as OpenAI's ``logprobs``), its log-probability in the distribution it was drawn
+    from (``sampled``: after the bias, penalties, temperature, top-k, top-p, min-p) and the N most likely
+    alternatives (the model's)."""
     from rich.table import Table
 
     def piece(i: int) -> str:
         return repr(tokenizer.decode([i]))
 
     table = Table(title="logprobs", box=None, padding=(0, 1))
-    for column, justify in (("step", "right"), ("token", "left"), ("id", "right"), ("logprob", "right")):
+    for column, justify in (("step", "right"), ("token", "left"), ("id", "right"), ("logprob", "right"),
+                            ("sampled", "right")):  # fmt: skip
         table.add_column(column, justify=justify)
     table.add_column("alternatives (logprob)")
     for step, lp in enumerate(logprobs):
         top = ", ".join(f"{piece(i)} {v:.3f}" for i, v in lp["top"])
-        table.add_row(str(step), piece(lp["id"]), str(lp["id"]), f"{lp['logprob']:.4f}", top)
+        numbers = f"{lp['logprob']:.4f}", f"{lp['sampled_logprob']:.4f}"
+        table.add_row(str(step), piece(lp["id"]), str(lp["id"]), *numbers, top)
     console.print(table)

@@ -22,13 +22,29 @@ def top_candidates(probs: np.ndarray, k: int = 5) -> list[tuple[int, float]]:
     return [(int(i), float(probs[i])) for i in top]
 
 
-def token_logprobs(probs: np.ndarray, token: int, n: int) -> dict:
-    """OpenAI's logprobs of one step from the distribution sampled from (``float32 [vocab]``):
-    ``{"id", "logprob", "top": [(id, logprob), ...]}`` with the ``n`` most likely alternatives
-    (natural log; an id at probability 0 gets -inf)."""
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """``log softmax(logits)`` of one row ``[vocab]``, in float64, measured from the largest logit."""
+    z = np.asarray(logits, dtype=np.float64)
+    shifted = z - z.max()
+    return shifted - np.log(np.exp(shifted).sum())  # [vocab]
+
+
+def model_logprobs(logits: np.ndarray, token: int, n: int, sampled: np.ndarray | None = None) -> dict:
+    """OpenAI's logprobs of one step: the model's own log-probabilities, ``log_softmax`` of its raw
+    logits ``float32 [vocab]`` -- before the bias, penalties, grammar mask, temperature, top-k, top-p and
+    min-p, as OpenAI and vLLM's default report them, so whatever the sampler kept, ``n`` alternatives
+    (or the vocabulary) are listed. ``{"id", "logprob", "top": [(id, logprob), ...], "sampled_logprob"}``:
+    the last is ``token``'s log-probability in ``sampled``, the distribution it was drawn from (the
+    trace's), or None without it. Natural log; ties in ``top``: the lower id first."""
+    logp = log_softmax(logits)
+    n = min(n, len(logp))
+    ids = np.argpartition(-logp, n - 1)[:n] if n else np.zeros(0, dtype=np.int64)
+    ids = ids[np.lexsort((ids, -logp[ids]))]  # most likely first, then the lower id
     with np.errstate(divide="ignore"):
-        return {
-            "id": int(token),
-            "logprob": float(np.log(np.float64(probs[token]))),
-            "top": [(i, float(np.log(np.float64(q)))) for i, q in top_candidates(probs, n)] if n else [],
-        }
+        drawn = None if sampled is None else float(np.log(np.float64(sampled[token])))
+    return {
+        "id": int(token),
+        "logprob": float(logp[token]),
+        "top": [(int(i), float(logp[i])) for i in ids],
+        "sampled_logprob": drawn,
+    }

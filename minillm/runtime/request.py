@@ -237,26 +237,28 @@ class Request:
         now = time.perf_counter()
         if self.new_ids:  # a decode step's token
             self.metrics.decode_step_s.append(now - step_t0)
-            yield from self.push(token, probs, step_t0, now=now, allowed=allowed)
+            yield from self.push(token, probs, step_t0, now=now, allowed=allowed, logits=logits)
             return
         self.metrics.ttft_s = now - self.t0  # the prefill's token: TTFT ends here
         n = len(self.prompt_ids) - self.reused  # the ids prefill fed
-        delta, _ = self._add(token, probs, now, allowed)
+        delta, _ = self._add(token, probs, now, allowed, logits)
         facts = dict(tokens=n, offset=self.cache.length - n, cache_length=self.cache.length, probs=probs, token=token)
         self.emit("prefill", step_t0, self.metrics.prefill_s, **facts)
         yield from self._show(delta)
 
-    def push(self, token: int, probs, step_t0: float, *, cache_length=None, step_s=None, now=None, allowed=None):
+    def push(self, token: int, probs, step_t0: float, *, cache_length=None, step_s=None, now=None, allowed=None,
+             logits=None):  # fmt: skip
         """Pass a chosen ``token`` through the stop chain (``take`` samples one; ``speculative_step.settle``
         pushes an accepted run); yield the text it releases. ``cache_length``: the positions before it
         (default the cache's length); ``step_s``: its share of the step's time; ``allowed``: the
-        constraint's mask the token was drawn under (None without a constraint)."""
+        constraint's mask the token was drawn under (None without a constraint); ``logits``: the model's
+        raw ``[vocab]`` it was drawn from (the logprobs'; None when nobody asked for them)."""
         now = time.perf_counter() if now is None else now
         if step_s is not None:
             self.metrics.decode_step_s.append(step_s)
         cache_length = self.cache.length if cache_length is None else cache_length
         fed = self.seen[-1]  # the token this step fed in
-        delta, forced = self._add(token, probs, now, allowed)
+        delta, forced = self._add(token, probs, now, allowed, logits)
         self.emit(
             "decode",
             step_t0,
@@ -272,10 +274,10 @@ class Request:
         )
         yield from self._show(delta)
 
-    def _add(self, token: int, probs, now: float, allowed) -> tuple[str, list[int]]:
+    def _add(self, token: int, probs, now: float, allowed, logits=None) -> tuple[str, list[int]]:
         """A chosen token, then any run the constraint forces after it, through :meth:`_append`: the text
         released and the forced ids appended (a stop may cut the run)."""
-        delta = self._append(token, probs)
+        delta = self._append(token, probs, logits)
         forced = self.constraint.advance(token) if self.constraint is not None and self.stop_reason is None else []
         kept = 0
         for f in forced:  # the grammar's only way on: no sampling, probability 1
@@ -287,13 +289,14 @@ class Request:
             self.emit("mask", now, self.constraint.mask_s, allowed=allowed, token=token, forced=forced[:kept])
         return delta, forced[:kept]
 
-    def _append(self, token: int, probs: np.ndarray | None) -> str:
-        """One new id through the logprobs, the stop criteria and the stop chain; the text it releases."""
+    def _append(self, token: int, probs: np.ndarray | None, logits: np.ndarray | None = None) -> str:
+        """One new id through the logprobs (the model's own, from ``logits``; ``probs``: what it was drawn
+        from), the stop criteria and the stop chain; the text it releases."""
         if self.logprobs is not None:
             top = self.params.top_logprobs
             self.logprobs.append(
-                sampling.token_logprobs(probs, token, top)
-                if probs is not None
+                sampling.model_logprobs(logits, token, top, probs)
+                if logits is not None
                 else constraint_module.forced_logprobs(token)
             )
         self.new_ids.append(token)

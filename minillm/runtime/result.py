@@ -92,5 +92,5 @@ class GenerationResult:
     stop_reason: StopReason
     metrics: RequestMetrics
     stop_condition: object = None  # which condition fired: the stop string, the id sequence, ...
-    logprobs: list[dict] | None = None  # with params.top_logprobs: one sampling.token_logprobs per new id
+    logprobs: list[dict] | None = None  # with params.top_logprobs: one sampling.model_logprobs per new id
     incomplete: str | None = None  # with a constraint: why the text is not a whole document (else None)

@@ -35,7 +35,7 @@ import numpy as np
 
 from minillm.errors import InvalidRequestError, SamplingParamsError
 from minillm.model.primitives import softmax  # noqa: F401 (the one softmax, re-exported for lessons and tests)
-from minillm.runtime.candidates import token_logprobs, top_candidates  # noqa: F401 (re-exported)
+from minillm.runtime.candidates import model_logprobs, top_candidates  # noqa: F401 (re-exported)
 from minillm.runtime.numerics import as_float32_value, as_logits, limit_or_float32, probabilities  # noqa: F401
 from minillm.runtime.penalties import (
     apply_frequency_presence,
@@ -65,7 +65,8 @@ class SamplingParams:
     presence_penalty    in [-2, 2]; 0 disables; subtracted once from every id generated at all (OpenAI)
     logit_bias          {id: bias in [-100, 100]} added to the raw logits (OpenAI); kept as sorted pairs
     top_logprobs        None: no logprobs; 0..20: record each new token's log-probability and the
-                        that-many most likely alternatives (``GenerationResult.logprobs``)
+                        that-many most likely alternatives (``GenerationResult.logprobs``), in the
+                        model's own distribution, before any processor (OpenAI's, vLLM's default)
 
     Raises SamplingParamsError naming the value and its allowed range.
     """

@@ -60,12 +60,19 @@ class BatchRequest(Request):
         self.pool, self.index = pool, index
         self.seq: PagedSequence = self.cache
         self.deltas: list[str] = []
+        self.delta_ids: list[int] = []  # per delta: the new ids released by then (a stream's logprobs)
         self.result: GenerationResult | None = None
         # Slow motion (a classroom follows one step at a time): after each step it took part in,
         # the request sits out the steps of the next ``step_delay_s`` seconds, keeping its blocks;
         # the others keep their pace. Its measured step times never include the wait.
         self.step_delay_s = step_delay_s
         self.hold_until = 0.0  # time.perf_counter() seconds
+
+    def _show(self, delta: str):
+        """:meth:`Request._show`, noting in ``delta_ids`` how many new ids each delta's text comes from."""
+        for text in super()._show(delta):
+            self.delta_ids.append(len(self.new_ids))
+            yield text
 
     @property
     def positions_needed(self) -> int:

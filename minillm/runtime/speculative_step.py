@@ -44,15 +44,14 @@ def settle(request: Request, logits, proposal: Proposal, step_t0: float):
     """After the forward over ``[last, *proposal.ids]`` (``logits`` ``[k + 1, vocab]``, an array or a
     ``steps.RowLogits``): accept (``speculative.accept``), roll the cache back to the kept positions, push
     the kept drafts and the model's token through the request (stopping at the first stop condition);
-    yield the text they release. Counts ``drafted_tokens``, ``accepted_tokens``, ``rejections`` and
+    yield the text they release. Counts ``drafted_tokens``, ``accepted_tokens`` (those the answer kept:
+    none past a stop, as plain decoding never makes them), ``rejections`` (one reached before a stop) and
     ``verify_steps``; tells the request's listener ``verify``."""
     ids, cache, m = proposal.ids, request.cache, request.metrics
     start = cache.length - len(ids) - 1  # where ``last`` was written
     n, token = speculative.accept(logits, proposal, request.params, request.rng, request.seen, request.new_ids)
     cache.truncate(start + 1 + n)  # the rejected drafts' keys and values are forgotten
     m.drafted_tokens += len(ids)
-    m.accepted_tokens += n
-    m.rejections += n < len(ids)  # the first mismatch; the drafts after it were never checked
     m.verify_steps += 1
     request.drafter.adapt(len(ids), n)
     run = [*ids[:n], token]
@@ -62,11 +61,14 @@ def settle(request: Request, logits, proposal: Proposal, step_t0: float):
         mask, probs = proposal.masks[j], None
         if shown:
             probs = speculative.shown_probs(logits[j], request.params, request.seen, request.new_ids, mask)
-        yield from request.push(t, probs, step_t0, cache_length=start + 1 + j, step_s=step_s, allowed=mask)
+        raw = logits[j] if request.logprobs is not None else None  # the logprobs are the model's own
+        yield from request.push(t, probs, step_t0, cache_length=start + 1 + j, step_s=step_s, allowed=mask, logits=raw)
         if request.stop_reason is not None:  # never past a stop: the cache holds what came before it
             run = run[: j + 1]
             cache.truncate(start + len(run))
             break
+    m.accepted_tokens += min(n, len(run))  # a stop inside the drafts cuts them
+    m.rejections += n < len(ids) and len(run) > n  # the first mismatch, if the answer got to it
     if request.listener is not None:
         passes = max(m.target_passes, 1)
         request.emit(

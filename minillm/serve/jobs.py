@@ -10,15 +10,28 @@ from dataclasses import dataclass, field
 
 import minillm
 
+from . import logprobs as lp
 from .reliability import GuardedRequest
+
+
+class TextDelta(str):
+    """A delta's text (a ``str``: every reader of the channel may treat it as one) with ``logprobs``, the
+    OpenAI entries of the tokens whose text it released (a request that asked for logprobs)."""
+
+    logprobs: list[dict]
+
+    def __new__(cls, text: str, logprobs: list[dict]) -> TextDelta:
+        self = super().__new__(cls, text)
+        self.logprobs = logprobs
+        return self
 
 
 @dataclass(kw_only=True)
 class Job:
     """One request as the worker sees it: what to run and where to send what it makes.
 
-    ``channel`` receives ``("delta", text)``, then either ``("done", Outcome)`` or
-    ``("error", MiniLLMError)``; nothing after that.
+    ``channel`` receives ``("delta", text)`` (a :class:`TextDelta` with ``top_logprobs``), then either
+    ``("done", Outcome)`` or ``("error", MiniLLMError)``; nothing after that.
     """
 
     request_id: str
@@ -97,4 +110,16 @@ class Active:
     tracer: minillm.Tracer
     wait: float
     sent: int = 0  # deltas of request.deltas already sent
+    logprobs_sent: int = 0  # new ids whose logprobs went with a delta already sent
     shed: bool = False  # cancelled for a client that read too slowly: no more text is sent (reliability.py)
+
+    def delta(self, i: int, tokenizer) -> str:
+        """The request's ``i``-th delta as the channel sends it: its text, with the logprobs of the tokens
+        that released it when the job asked for them (a :class:`TextDelta`)."""
+        text, top = self.request.deltas[i], self.job.top_logprobs
+        if top is None:
+            return text
+        upto = self.request.delta_ids[i]
+        entries = lp.of_delta(tokenizer, self.request, self.logprobs_sent, upto, top)
+        self.logprobs_sent += len(entries)
+        return TextDelta(text, entries)

@@ -1,10 +1,11 @@
-"""Logprobs in OpenAI's shapes, from the sampler's own numbers and the tokens' own bytes.
+"""Logprobs in OpenAI's shapes, from the model's own numbers and the tokens' own bytes.
 
-Each step of a request that asks for logprobs is kept by the request as the sampler saw it
-(``Request.logprobs``, from ``candidates.token_logprobs``): the id it chose, that id's probability and
-the most likely ids, in the distribution ``sample`` draws from (after
-temperature, top-k, top-p, min-p and the repetition penalty; at temperature 0, the distribution
-at temperature 1). A token's ``bytes`` are its own (``Tokenizer.token_bytes``): joined, they give
+Each step of a request that asks for logprobs is kept by the request (``Request.logprobs``, from
+``candidates.model_logprobs``): the id the sampler chose, its log-probability and the most likely ids,
+all in the model's own distribution, ``log_softmax`` of the raw logits -- before the bias, penalties,
+temperature, top-k, top-p and min-p, as OpenAI and vLLM report them (what the sampler drew from is the
+trace's, and the record's ``sampled_logprob``). A stream sends each token's entry with the text it
+released (:func:`of_delta`). A token's ``bytes`` are its own (``Tokenizer.token_bytes``): joined, they give
 the answer's UTF-8 even where one character is split over several tokens (emoji, CJK). Its
 ``token`` is that text when the bytes are whole characters, else the bytes that are not written
 as ``\\xNN`` escapes (``b'\\xf0\\x9f'`` -> the 8 characters ``\\xf0\\x9f``), as OpenAI does.
@@ -30,39 +31,64 @@ def logprob(prob: float | None) -> float:
 
 
 def entry(tokenizer, token_id: int, prob: float | None) -> dict:
-    """One ``{"token", "logprob", "bytes"}`` of OpenAI's shape for ``token_id``."""
+    """One ``{"token", "logprob", "bytes"}`` of OpenAI's shape for ``token_id`` at probability ``prob``."""
+    return entry_at(tokenizer, token_id, logprob(prob))
+
+
+def entry_at(tokenizer, token_id: int, value: float) -> dict:
+    """One ``{"token", "logprob", "bytes"}`` of OpenAI's shape for ``token_id`` at log-probability ``value``."""
     raw = tokenizer.token_bytes(token_id)
-    return {"token": token_text(raw), "logprob": logprob(prob), "bytes": list(raw)}
+    return {"token": token_text(raw), "logprob": value, "bytes": list(raw)}
 
 
 def content(tokenizer, steps, ids, top: int) -> list[dict]:
-    """OpenAI's ``logprobs.content``: one entry per id of ``ids`` (the output's ids, in order)
-    with its ``top`` (0..5) alternatives, from ``steps``: per token ``(id, probability, [(id,
-    probability), ...])``, the request's ``logprobs`` as probabilities (:func:`of_result` converts them).
+    """OpenAI's ``logprobs.content`` (:func:`of_steps`) from ``steps`` given as probabilities: per token
+    ``(id, probability, [(id, probability), ...])``.
+
+    Raises:
+        ValueError: a step records another id than ``ids`` holds at its place (a bug).
+    """
+    as_logs = [{"id": c, "logprob": logprob(q), "top": [(i, logprob(r)) for i, r in alts]} for c, q, alts in steps]
+    return of_steps(tokenizer, as_logs, ids, top)
+
+
+def of_steps(tokenizer, steps: list[dict], ids, top: int) -> list[dict]:
+    """OpenAI's ``logprobs.content``: one entry per id of ``ids`` (the output's ids, in order) with its
+    ``top`` (0..20) alternatives, from ``steps``, the request's own records (``Request.logprobs``:
+    ``{"id", "logprob", "top": [(id, logprob), ...]}``, natural log).
 
     Raises:
         ValueError: a step records another id than ``ids`` holds at its place (a bug).
     """
     out = []
-    for token_id, (chosen, prob, candidates) in zip(ids, steps, strict=False):
-        if int(token_id) != chosen:
-            raise ValueError(f"logprobs: the sampler chose id {chosen} where the output has {token_id}")
-        item = entry(tokenizer, chosen, prob)
-        item["top_logprobs"] = [entry(tokenizer, i, q) for i, q in candidates[:top]]
+    for token_id, step in zip(ids, steps, strict=False):
+        if int(token_id) != step["id"]:
+            raise ValueError(f"logprobs: the sampler chose id {step['id']} where the output has {token_id}")
+        item = entry_at(tokenizer, step["id"], step["logprob"])
+        item["top_logprobs"] = [entry_at(tokenizer, i, q) for i, q in step["top"][:top]]
         out.append(item)
     return out
 
 
-def of_result(tokenizer, result, top: int) -> list[dict]:
-    """One entry per output token of a finished request (a stopping EOS left out) in OpenAI's shape,
-    from the numbers the sampler drew with (``result.logprobs``, ``SamplingParams.top_logprobs``:
-    after the bias, penalties, mask, temperature, top-k, top-p, min-p; at temperature 0, the
-    distribution at temperature 1); ``top``: alternatives per token (0..20)."""
+def shown(ids, stop_reason) -> int:
+    """How many of a request's new ``ids`` its answer shows: all but a stopping EOS."""
     from minillm.runtime.stopping import StopReason
 
-    ids = result.ids[:-1] if result.stop_reason is StopReason.EOS else result.ids
-    steps = [(s["id"], math.exp(s["logprob"]), [(i, math.exp(q)) for i, q in s["top"]]) for s in result.logprobs]
-    return content(tokenizer, steps, ids, top)
+    return len(ids) - (stop_reason is StopReason.EOS)
+
+
+def of_result(tokenizer, result, top: int) -> list[dict]:
+    """One entry per output token of a finished request (a stopping EOS left out) in OpenAI's shape, from
+    ``result.logprobs`` (``SamplingParams.top_logprobs``): the model's own log-probabilities, before any
+    processor (``candidates.model_logprobs``); ``top``: alternatives per token (0..20)."""
+    return of_steps(tokenizer, result.logprobs, result.ids[: shown(result.ids, result.stop_reason)], top)
+
+
+def of_delta(tokenizer, request, start: int, upto: int, top: int) -> list[dict]:
+    """The entries a stream's delta carries: the running ``request``'s new ids ``start:upto`` (those whose
+    text the delta released since the last one that carried logprobs), a stopping EOS left out."""
+    upto = min(upto, shown(request.new_ids, request.stop_reason))
+    return of_steps(tokenizer, request.logprobs[start:upto], request.new_ids[start:upto], top)
 
 
 def text_offsets(entries: list[dict], start: int = 0) -> list[int]:

@@ -103,18 +103,29 @@ def usage(o: Outcome) -> p.UsageInfo:
 
 def chat_logprobs(o: Outcome) -> p.ChoiceLogprobs | None:
     """The chat shape of the logprobs (one entry per token), or None when the request asked for none."""
-    return None if o.logprobs is None else p.ChoiceLogprobs(content=o.logprobs)
+    return chat_shape(o.logprobs)
+
+
+def chat_shape(entries: list[dict] | None) -> p.ChoiceLogprobs | None:
+    """``{"content": entries}``, or None for None (no logprobs asked)."""
+    return None if entries is None else p.ChoiceLogprobs(content=entries)
 
 
 def completion_logprobs(o: Outcome) -> p.CompletionLogprobs | None:
     """The legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset."""
-    if o.logprobs is None:
+    return legacy_shape(o.logprobs)
+
+
+def legacy_shape(entries: list[dict] | None, start: int = 0) -> p.CompletionLogprobs | None:
+    """The legacy shape of ``entries`` (None for None); ``start``: the characters a stream already sent
+    (the first entry's offset)."""
+    if entries is None:
         return None
     return p.CompletionLogprobs(
-        tokens=[e["token"] for e in o.logprobs],
-        token_logprobs=[e["logprob"] for e in o.logprobs],
-        top_logprobs=[{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in o.logprobs],
-        text_offset=lp.text_offsets(o.logprobs),
+        tokens=[e["token"] for e in entries],
+        token_logprobs=[e["logprob"] for e in entries],
+        top_logprobs=[{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        text_offset=lp.text_offsets(entries, start),
     )
 
 
@@ -145,28 +156,37 @@ def sse_line(obj) -> str:
 async def sse(job: Job, first, body, served_model: str, chat: bool, watcher: asyncio.Task):
     """Server-sent events in OpenAI's chunk shapes, ending with ``data: [DONE]``.
 
-    Logprobs (if asked) come in the chunk that carries finish_reason: they are read from the
-    request's trace, which is complete only at the end. Usage comes in a last chunk with no
+    Logprobs (if asked) come as OpenAI sends them: each chunk with its own tokens' (a ``TextDelta``'s);
+    the chunk that carries finish_reason has those of tokens whose text never came (a stop string's,
+    held back then cut) or came in no chunk yet. Usage comes in a last chunk with no
     choices when ``stream_options.include_usage`` is true.
     """
     rid, include_usage = job.request_id, bool(body.stream_options and body.stream_options.include_usage)
     usage_none = {"usage": None} if include_usage else {}
 
+    sent = {"entries": 0, "chars": 0}  # the logprobs entries already streamed, and their characters
+
     def chunk(delta: str | None = None, role: str | None = None, outcome: Outcome | None = None):
         finish = FINISH_REASON[outcome.stop_reason] if outcome else None
         reason = outcome.stop_reason.value if outcome else None
+        mine = getattr(delta, "logprobs", None)  # this delta's tokens' entries (a TextDelta)
+        if outcome is not None and outcome.logprobs is not None:
+            mine = outcome.logprobs[sent["entries"] :] or None  # those that came with no text (if any)
+        start = sent["chars"]
+        sent["entries"] += len(mine or ())
+        sent["chars"] += len(lp.joined_bytes(mine or ()).decode("utf-8", errors="ignore"))
         if chat:
             choice = p.ChatCompletionChunkChoice(
-                delta=p.DeltaMessage(role=role, content=delta),
-                logprobs=chat_logprobs(outcome) if outcome else None,
+                delta=p.DeltaMessage(role=role, content=None if delta is None else str(delta)),
+                logprobs=chat_shape(mine),
                 finish_reason=finish,
                 minillm_stop_reason=reason,
                 minillm_error=outcome.incomplete if outcome else None,
             )
             return p.ChatCompletionChunk(id=rid, model=served_model, choices=[choice], **usage_none)
         choice = p.CompletionChoice(
-            text=delta or "",
-            logprobs=completion_logprobs(outcome) if outcome else None,
+            text=str(delta or ""),
+            logprobs=legacy_shape(mine, start),
             finish_reason=finish,
             minillm_stop_reason=reason,
         )

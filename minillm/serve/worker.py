@@ -345,8 +345,8 @@ class Worker:
     def _publish(self) -> None:
         """Send each request's new text; answer the ones that finished."""
         for index, a in list(self.active.items()):
-            for delta in a.request.deltas[a.sent :] if not self.guard.shed(a) else ():
-                a.job.send("delta", delta)
+            for i in range(a.sent, len(a.request.deltas)) if not self.guard.shed(a) else ():
+                a.job.send("delta", a.delta(i, self.model.tokenizer))
             a.sent = len(a.request.deltas)
             if a.request.result is not None:
                 del self.active[index]

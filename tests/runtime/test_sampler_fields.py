@@ -1,7 +1,8 @@
 """OpenAI's sampling fields in the library: logit_bias, frequency and presence penalties, top_logprobs.
 
 The unit tests need no model; the rest use the real SmolLM2 and check the processed distribution
-against OpenAI's formula computed here by hand:
+(what the sampler draws from, the trace's) against OpenAI's formula computed here by hand, and the
+logprobs against the model's own log softmax (before any processor, as OpenAI and vLLM report them):
 
     logit[j] + bias[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty,  c over new ids
 """
@@ -79,20 +80,24 @@ def test_logit_bias_outside_the_vocabulary_is_refused_before_model_work(smollm2)
         minillm.generate(smollm2, "Hi", SamplingParams(logit_bias={49152: 1}))
 
 
-def _hand_logprobs(model, prompt_ids, new_ids, k, params) -> np.ndarray:
-    """log softmax of OpenAI's formula at step ``k``, from raw logits of a fresh prefill (float64)."""
+def _hand_logprobs(model, prompt_ids, new_ids, k, params) -> tuple[np.ndarray, np.ndarray]:
+    """At step ``k``, from raw logits of a fresh prefill (float64): the model's own log softmax, and the
+    log softmax of OpenAI's formula (the distribution sampled from)."""
     ids = np.array(list(prompt_ids) + list(new_ids[:k]), dtype=np.int64)
     raw = minillm.prefill(model, ids, KVCache.for_model(model.config, len(ids))).astype(np.float64)
+    own = raw - (raw.max() + np.log(np.exp(raw - raw.max()).sum()))
     for token, bias in params.logit_bias:
         raw[token] += bias
     for token, c in Counter(new_ids[:k]).items():
         raw[token] = raw[token] - c * params.frequency_penalty - (c > 0) * params.presence_penalty
     raw /= params.temperature
-    return raw - (raw.max() + np.log(np.exp(raw - raw.max()).sum()))
+    return own, raw - (raw.max() + np.log(np.exp(raw - raw.max()).sum()))
 
 
 @pytest.mark.slow
-def test_processed_distribution_equals_openais_formula_by_hand(smollm2):
+def test_logprobs_are_the_models_own_and_the_sampled_distribution_is_openais_formula(smollm2):
+    """The logprobs are the model's log softmax, before any processor (OpenAI's and vLLM's default); the
+    distribution sampled from (``sampled_logprob``, the trace's candidates) is OpenAI's formula."""
     params = SamplingParams(
         temperature=0.8,
         seed=5,
@@ -107,16 +112,17 @@ def test_processed_distribution_equals_openais_formula_by_hand(smollm2):
     assert len(set(result.ids)) < 14  # some ids repeat: the penalties had counts > 1 to work on
     steps = [e for e in tracer.events if e.phase in ("prefill", "decode")]
     for k, (step, event) in enumerate(zip(result.logprobs, steps, strict=True)):
-        hand = _hand_logprobs(smollm2, result.prompt_ids, result.ids, k, params)
+        own, hand = _hand_logprobs(smollm2, result.prompt_ids, result.ids, k, params)
         assert step["id"] == result.ids[k]
-        assert step["logprob"] == pytest.approx(hand[result.ids[k]], abs=2e-4)
+        assert step["logprob"] == pytest.approx(own[result.ids[k]], abs=2e-4)
+        assert step["sampled_logprob"] == pytest.approx(hand[result.ids[k]], abs=2e-4)
         assert len(step["top"]) == 20
         for token, logprob in step["top"]:
-            assert logprob == pytest.approx(hand[token], abs=2e-4)
-        assert min(lp for _, lp in step["top"]) >= np.sort(hand)[-20] - 2e-4  # they are the top 20
-        # the trace's candidates are the same processed distribution
-        cand_probs = [q for _, q in event.data["candidates"]]
-        np.testing.assert_allclose(cand_probs, np.exp([lp for _, lp in step["top"][:5]]), atol=2e-5)
+            assert logprob == pytest.approx(own[token], abs=2e-4)
+        assert [t for t, _ in step["top"]] == np.argsort(-own, kind="stable")[:20].tolist()  # the top 20
+        # the trace's candidates are the processed distribution
+        cand_probs = [q for _, q in event.data["candidates"]]  # (piece, probability)
+        np.testing.assert_allclose(cand_probs, np.exp(np.sort(hand)[::-1][:5]), atol=2e-5)
 
 
 @pytest.mark.slow

@@ -219,8 +219,14 @@ def test_stops_inside_an_accepted_run(word_model, options):
     spec = minillm.generate(word_model, prompt, speculative=oracle, **options)
     assert (spec.ids, spec.text, spec.stop_reason) == (plain.ids, plain.text, plain.stop_reason)
     m = spec.metrics
-    assert m.drafted_tokens == m.accepted_tokens  # an oracle is always right ...
+    assert m.rejections == 0  # an oracle is always right ...
     assert m.target_passes == 1 + math.ceil((len(spec.ids) - 1) / 9)  # ... so each pass gives k + 1 = 9
+    # accepted counts the drafts the answer kept, none past the stop: each id but the prefill's is a kept
+    # draft or a verify pass's own token, and the last pass has none of its own when the stop is a draft
+    passes = m.target_passes - 1
+    last = len(spec.ids) - 1 - 9 * (passes - 1)  # the ids the last pass gave
+    drafted = min(8, options["max_new_tokens"] - 2 - 9 * (passes - 1))  # what it proposed (room for its own)
+    assert m.accepted_tokens == len(spec.ids) - 1 - passes + (last <= drafted)
 
 
 class RightTwiceThenWrong(Draft):
@@ -566,8 +572,9 @@ def test_greedy_logprobs_equal_plain_decodings(word_model, draft):
 
 
 def test_sampled_logprobs_are_the_models_p(word_model):
-    """Sampled: each token's logprob is log p(token) of the plain sampler's distribution after the
-    tokens before it, computed here by a fresh forward over the whole prefix."""
+    """Sampled: each token's logprob is the model's own log p(token) (log softmax of its raw logits) after
+    the tokens before it, and its ``sampled_logprob`` that of the plain sampler's distribution, computed
+    here by a fresh forward over the whole prefix."""
     params = minillm.SamplingParams(temperature=0.9, top_k=6, top_logprobs=2, seed=3)
     prompt = "X Y Z X Y Z X"
     r = minillm.generate(word_model, prompt, params, max_new_tokens=12, speculative=Speculative("layers:3", 4))
@@ -578,8 +585,10 @@ def test_sampled_logprobs_are_the_models_p(word_model):
         seq = ids + r.ids[:i]
         logits = word_model.transformer.forward(np.asarray(seq), None)[-1]
         probs = sampling.probabilities(sampling.process_logits(logits, params, seq, r.ids[:i]))
-        want.append(sampling.token_logprobs(probs, t, 2))
+        want.append(sampling.model_logprobs(logits, t, 2, probs))
     assert_same_logprobs(r.logprobs, want)
+    np.testing.assert_allclose([e["sampled_logprob"] for e in r.logprobs], [e["sampled_logprob"] for e in want],
+                               atol=1e-5)  # fmt: skip
 
 
 # --- with a constraint: each draft checked against the grammar's mask, the matcher rolled back -------------

@@ -1,4 +1,4 @@
-"""Logprobs are the tokens' own bytes and the sampler's own numbers (issue 31, kind 1).
+"""Logprobs are the tokens' own bytes and the model's own numbers (issue 31, kind 1; issue 47).
 
 SmolLM2's byte-level tokenizer splits '🎉' into 'ðŁ' (b'\\xf0\\x9f'), 'İ' (b'\\x8e') and 'ī'
 (b'\\x89'): no token of it is a character. OpenAI's ``bytes`` let a client join such tokens back
@@ -73,7 +73,7 @@ def test_logprobs_of_emoji_and_cjk_join_to_the_answer_greedy(smollm2, chat):
     assert len(o.logprobs) == o.completion_tokens == 24
     assert lp.joined_bytes(o.logprobs) == o.text.encode("utf-8")
     assert any(e["bytes"] == [240, 159] and e["token"] == "\\xf0\\x9f" for e in o.logprobs)  # half an emoji
-    for e in o.logprobs:  # greedy: the chosen token is the most likely one, with the sampler's number
+    for e in o.logprobs:  # greedy: the chosen token is the most likely one, with the model's number
         top = e["top_logprobs"]
         assert len(top) == 5 and top[0] == {k: e[k] for k in ("token", "logprob", "bytes")}
         assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
@@ -152,5 +152,8 @@ def test_http_logprobs_join_to_the_answer_streamed_and_not(app):
     for token, offset in zip(lp_.tokens, lp_.text_offset, strict=True):
         if "\\x" not in token:  # a whole-character token sits at its offset in the text
             assert text[offset : offset + len(token)] == token
+    # streamed, each chunk carries its own tokens; together they are the whole answer's, offsets too
     streamed_legacy = [c.choices[0].logprobs for c in legacy_chunks if c.choices and c.choices[0].logprobs]
-    assert streamed_legacy[-1].tokens == lp_.tokens and streamed_legacy[-1].text_offset == lp_.text_offset
+    assert len(streamed_legacy) > 1
+    assert [t for lp in streamed_legacy for t in lp.tokens] == lp_.tokens
+    assert [o for lp in streamed_legacy for o in lp.text_offset] == lp_.text_offset
