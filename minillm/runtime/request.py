@@ -275,8 +275,7 @@ class Request:
         yield from self._show(delta)
 
     def _add(self, token: int, probs, now: float, allowed, logits=None) -> tuple[str, list[int]]:
-        """A chosen token, then any run the constraint forces after it, through :meth:`_append`: the text
-        released and the forced ids appended (a stop may cut the run)."""
+        """A chosen token, then the run the constraint forces after it (a stop may cut it): text, forced ids."""
         delta = self._append(token, probs, logits)
         forced = self.constraint.advance(token) if self.constraint is not None and self.stop_reason is None else []
         kept = 0
