@@ -98,3 +98,12 @@ class Active:
     wait: float
     sent: int = 0  # deltas of request.deltas already sent
     shed: bool = False  # cancelled for a client that read too slowly: no more text is sent (reliability.py)
+
+
+async def watch_disconnect(request, job: Job) -> None:
+    """Set the job's cancel flag when the client disconnects (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel.set()
+            return

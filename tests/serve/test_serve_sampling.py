@@ -13,15 +13,16 @@ import httpx
 import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
-from servers import MODEL, metrics, running_server
+from servers import MODEL, SERVERS, metrics, running_server
 
 pytestmark = pytest.mark.slow
 COMMA = 28
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("serve-sampling")) as (base, _log):
+@pytest.fixture(scope="module", params=list(SERVERS))
+def url(tmp_path_factory, request):
+    """One model's server, then a several-model server (``servers.SERVERS``): every field on both."""
+    with running_server(tmp_path_factory.mktemp("serve-sampling"), *SERVERS[request.param]) as (base, _log):
         yield base
 
 
@@ -306,3 +307,21 @@ def test_max_tokens_cutting_the_json_short_is_length_with_an_error(client):
     assert last.finish_reason == "length" and "will not parse" in last.model_extra["minillm_error"], last
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+
+
+def test_an_invalid_schema_is_the_same_400_for_every_served_model(client):
+    """Loaded or not (the several-model server's second model is not loaded yet: its schema is checked
+    when it loads, at admission), an invalid schema is one 400 naming the wrong part. (Last in this
+    module: on the several-model server it loads the second model, evicting the first.)"""
+    import openai
+
+    bad = {"type": "object", "properties": {"age": {"type": "integr"}}}
+    bodies = []
+    for card in client.models.list().data:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=card.id, messages=user("Hi"), response_format=schema_format(bad))
+        bodies.append(err.value.body)
+    assert len({json.dumps(b, sort_keys=True) for b in bodies}) == 1, bodies
+    error = bodies[0]
+    assert (error["param"], error["type"], error["code"]) == ("response_format", "invalid_request_error", None)
+    assert error["message"].startswith("response_format.json_schema.schema: invalid JSON schema: at $.properties.age")
