@@ -172,7 +172,6 @@ class ModelRegistry:
                 "id": name,
                 "object": "model",
                 "owned_by": "minillm",
-                "created": int(time.time()),
                 "state": s.state,
                 "ready": s.state == "loaded",
                 "weight_dtype": s.spec.weight_dtype,
