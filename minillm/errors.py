@@ -92,6 +92,10 @@ class InvalidRequestError(MiniLLMError):
     """A request argument is out of range: empty prompt, max_new_tokens <= 0, empty stop string."""
 
 
+class InvalidConstraintError(InvalidRequestError):
+    """A structured-output constraint the engine refuses: an invalid JSON schema (naming where), regex or grammar."""
+
+
 class KVCachePoolTooSmall(InvalidRequestError):
     """A request needs more KV-cache blocks than the whole paged pool holds: it could never run."""
 

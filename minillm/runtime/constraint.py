@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minillm.errors import InvalidRequestError, install_command
+from minillm.errors import InvalidConstraintError, InvalidRequestError, install_command
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # minillm Tokenizer -> llguidance's view
@@ -134,14 +134,15 @@ def grammar_for(model, constraint: Constraint) -> str:
     """The engine's grammar for ``constraint``, checked against the model's vocabulary.
 
     Raises:
-        InvalidRequestError: an invalid schema (naming where), pattern or grammar (naming the
-            line and column), or llguidance not installed.
+        InvalidConstraintError: an invalid schema (naming where), pattern or grammar (naming the
+            line and column).
+        InvalidRequestError: llguidance not installed, or an unknown constraint kind.
     """
     ll = _llguidance()
     what = {"json_schema": "JSON schema", "json_object": "JSON schema", "regex": "regex", "lark": "grammar"}
     if constraint.kind in ("json_schema", "json_object"):
         if problem := _schema_problem(constraint.source):
-            raise InvalidRequestError(f"invalid JSON schema: {problem}")
+            raise InvalidConstraintError(f"invalid JSON schema: {problem}")
         grammar = ll.LLMatcher.grammar_from_json_schema(constraint.source)
     elif constraint.kind == "regex":
         grammar = ll.LLMatcher.grammar_from_regex(constraint.source)
@@ -151,7 +152,7 @@ def grammar_for(model, constraint: Constraint) -> str:
         raise InvalidRequestError(f"unknown constraint kind {constraint.kind!r}; one of {', '.join(KINDS)}")
     is_error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar, _engine_tokenizer(model))
     if is_error:
-        raise InvalidRequestError(f"invalid {what[constraint.kind]}: {messages[0].strip()}")
+        raise InvalidConstraintError(f"invalid {what[constraint.kind]}: {messages[0].strip()}")
     return grammar
 
 

@@ -3,7 +3,8 @@ scheduler runs it in a continuous batch with the others (``worker.py``, ``runtim
 
     POST /v1/chat/completions   messages -> chat template -> scheduler (SSE when "stream": true)
     POST /v1/completions        prompt -> scheduler, no template
-    GET  /v1/models             the one model this server holds
+    GET  /v1/models             the models this server holds (one, or several: ``models.py``)
+    GET  /v1/models/{id}        one of them (OpenAI's retrieve); 404 model_not_found for another name
     GET  /v1/traces/{id}        a finished request's trace events (the newest --keep-traces)
     GET  /v1/events             Server-Sent Events: requests, steps, the KV pool, live (``events.py``)
     GET  /ui                    the live page those events feed (``static/ui.html``)
@@ -41,12 +42,12 @@ from . import protocol as p
 from .auth import OPEN, Access, KeyCheck
 from .events import EventStreamResponse, TooManySubscribers
 from .interface import ServedModels
-from .jobs import Job, QueueFullError
+from .jobs import Job, QueueFullError, watch_disconnect
 from .limits import DEFAULT_MAX_REQUEST_BYTES, max_token_bytes, prompt_too_long
 from .privacy import trace_for, viewer_for
 from .quotas import Quotas
 from .reliability import Channel
-from .responses import APIError, final_response, runtime_error, sse, validation_error
+from .responses import APIError, constraint_error, final_response, runtime_error, sse, validation_error
 
 __all__ = ["APIError", "create_app"]
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait, seconds
@@ -77,6 +78,7 @@ def create_app(
     )
     _add_error_handlers(app, served.guard.counters.refused, max_request_bytes)
     _add_status_routes(app, served, access)
+    _add_model_routes(app, served)
     _add_completion_routes(app, served, Quotas(served.metrics.registry, access.limits))
     app.add_middleware(KeyCheck, keys=access.keys, login_page=_page)  # who calls: 401 / 403 before any route
     if access.allowed_origins:  # outside the key check: a preflight carries no key, a 401 gets CORS headers
@@ -131,7 +133,7 @@ def _add_error_handlers(app: FastAPI, refused, max_request_bytes: int) -> None:
 
 
 def _add_status_routes(app: FastAPI, worker: ServedModels, access: Access) -> None:
-    """/health, /metrics, /v1/models, /v1/traces/{id}, /v1/events and /ui; traces and events as the
+    """/health, /metrics, /v1/traces/{id}, /v1/events and /ui; traces and events as the
     caller may see them (``privacy.py``)."""
 
     def viewer(request: Request):
@@ -157,11 +159,6 @@ def _add_status_routes(app: FastAPI, worker: ServedModels, access: Access) -> No
     @app.get("/metrics")
     async def metrics():
         return Response(worker.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/v1/models", response_model=p.ModelList)
-    async def models():
-        # several models (models.py) add each one's state, weight dtype and resident bytes
-        return p.ModelList(data=[p.ModelCard(**card) for card in worker.model_cards()])
 
     @app.get("/v1/traces/{request_id}", responses={404: {"model": p.ErrorResponse}})
     async def trace(request_id: str, request: Request):
@@ -203,6 +200,26 @@ def _add_status_routes(app: FastAPI, worker: ServedModels, access: Access) -> No
         return Response(page.read_bytes(), media_type="text/html; charset=utf-8")
 
 
+def _add_model_routes(app: FastAPI, worker: ServedModels) -> None:
+    """GET /v1/models and GET /v1/models/{id}: OpenAI's model objects, from ``worker.model_cards()``."""
+
+    @app.get("/v1/models", response_model=p.ModelList)
+    async def models():
+        # several models (models.py) add each one's state, weight dtype and resident bytes
+        return p.ModelList(data=[p.ModelCard(**card) for card in worker.model_cards()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=p.ModelCard, responses={404: {"model": p.ErrorResponse}})
+    async def model(model_id: str):
+        """OpenAI's ``GET /v1/models/{model}`` (the client's ``models.retrieve``): that model's entry of
+        GET /v1/models; 404 ``model_not_found`` for a name this server does not serve."""
+        card = next((c for c in worker.model_cards() if c["id"] == model_id), None)
+        if card is None:
+            served = ", ".join(map(repr, worker.served_names()))
+            message = f"model {model_id!r} not found; this server serves {served} (GET /v1/models)"
+            raise APIError(404, message, "not_found_error", "model", "model_not_found")
+        return p.ModelCard(**card)
+
+
 def _add_completion_routes(app: FastAPI, worker: ServedModels, quotas: Quotas) -> None:
     """POST /v1/chat/completions and /v1/completions: a job for the worker, answered as JSON or SSE;
     the caller's key past a quota gets 429 (``quotas.py``)."""
@@ -240,7 +257,7 @@ def _add_completion_routes(app: FastAPI, worker: ServedModels, quotas: Quotas) -
         quotas.started(key)
         worker.guard.track(job)  # in flight until its end is sent (a shutdown waits for it)
         # The client leaving (at any time) sets the job's cancel flag; the worker checks it per step.
-        watcher = asyncio.create_task(_watch_disconnect(request, job))
+        watcher = asyncio.create_task(watch_disconnect(request, job))
         headers = {"x-request-id": request_id}
         try:
             first = await job.channel.get()  # a delta, or the end, or an error before any text
@@ -367,7 +384,7 @@ def _constraint(model: minillm.Model | None, response_format):
         if model is not None:
             grammar_for(model, constraint)  # checked here, so the error names the field
     except minillm.MiniLLMError as exc:
-        raise APIError(400, f"response_format.json_schema.schema: {exc}", param="response_format") from None
+        raise constraint_error(exc) from None
     return constraint
 
 
@@ -379,12 +396,3 @@ def _speculative(worker: ServedModels, body) -> minillm.Speculative | None:
         return None
     k = body.num_speculative_tokens or (default.num_tokens if default else 4)
     return minillm.Speculative(draft=draft, num_tokens=k)
-
-
-async def _watch_disconnect(request: Request, job: Job) -> None:
-    """Set the job's cancel flag when the client disconnects (the body was already read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            job.cancel.set()
-            return

@@ -123,3 +123,12 @@ class Active:
         entries = lp.of_delta(tokenizer, self.request, self.logprobs_sent, upto, top)
         self.logprobs_sent += len(entries)
         return TextDelta(text, entries)
+
+
+async def watch_disconnect(request, job: Job) -> None:
+    """Set the job's cancel flag when the client disconnects (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel.set()
+            return

@@ -10,10 +10,11 @@ False): no event is built, and the scheduler gets no listener, so it computes no
     request.text            the text its detokenizer released in a step (the answer, piece by piece)
     request.preempted       its blocks were taken back; it waits to be recomputed
     request.finished        why it stopped, token counts, TTFT and TPOT (seconds), its whole text
-    step                    one scheduler step: start, duration, one row per request fed, and the
-                            running requests that sat it out for slow motion (``held``)
-    pool                    the KV pool after the step: blocks used / free / cached, block tables
-    load                    the model's load phases (always kept: a page opened later shows them)
+    step                    one scheduler step of a model: start, duration, one row per request fed, and
+                            the running requests that sat it out for slow motion (``held``)
+    pool                    that model's KV pool after the step: blocks used / free / cached, block tables
+    load                    a model's load phases (always kept: a page opened later shows them); with
+                            several models each names its model, and ``unloaded`` says one was evicted
 
 Requests are named by the server's request id (``chatcmpl-...``); ``index`` is the scheduler's number.
 Each ``request.*`` event is published with its owner, the label of the key that sent the request
@@ -102,6 +103,7 @@ class LiveFeed:
         self.bus.publish(
             "step",
             {
+                "model": worker.served_name,  # several models: each steps its own batch, on one thread
                 "step": step,
                 "start": round(start - self.bus.t0, 6),
                 "duration_s": duration,
@@ -121,7 +123,7 @@ class LiveFeed:
         for index in facts["preempted"]:
             data = {"id": names.get(index, str(index)), "step": step}
             self.bus.publish("request.preempted", data, owner=owners.get(index))
-        self._pool(worker.pool, facts, names)
+        self._pool(worker, facts, names)
 
     # --- the pieces ------------------------------------------------------------------------------
     def _admitted(self, model, a, step: int, cached: int) -> None:
@@ -195,17 +197,18 @@ class LiveFeed:
             data = {"id": a.job.request_id, "step": step, "text": text[said:]}
             self.bus.publish("request.text", data, owner=a.job.owner)
 
-    def _pool(self, pool, facts: dict, names: dict) -> None:
+    def _pool(self, worker, facts: dict, names: dict) -> None:
         self.bus.publish(
             "pool",
             {
+                "model": worker.served_name,  # several models: each has its own pool
                 "step": facts["step"],
                 "blocks_total": facts["blocks_total"],
                 "blocks_used": facts["blocks_used"],
                 "blocks_free": facts["blocks_free"],
                 "blocks_cached": len(facts["cached_free"]),
                 "block_size": facts["block_size"],
-                "bytes_per_block": pool.bytes_per_block,
+                "bytes_per_block": worker.pool.bytes_per_block,
                 "tables": {names.get(i, str(i)): t for i, t in facts["tables"].items()},
                 "cached_free": facts["cached_free"],
             },

@@ -172,7 +172,6 @@ class ModelRegistry:
                 "id": name,
                 "object": "model",
                 "owned_by": "minillm",
-                "created": int(time.time()),
                 "state": s.state,
                 "ready": s.state == "loaded",
                 "weight_dtype": s.spec.weight_dtype,
@@ -200,18 +199,19 @@ class ModelRegistry:
         busy = False
         while True:
             self._wake.clear()
-            worked = False
+            worked, wait = False, 0.05  # idle: look again for keep-alive's expiry
             for slot in self.slots.values():
                 if slot.state == "unloaded" and not slot.queue.empty():
                     self._load_on_demand(slot)
-                if slot.state == "loaded":
-                    worked |= slot.step()
+                if slot.state == "loaded" and (pause := slot.step()) is not None:
+                    worked |= pause == 0.0
+                    wait = min(wait, pause) if pause > 0 else wait  # slow motion: sleep until one is due
             self._expire()
             if busy and not worked:  # just gone idle: the steps' freed intermediates leave the resident set,
                 trim_heap()  # so it is what the models hold (their plans), not what the last burst used
             busy = worked
-            if not worked:
-                self._wake.wait(timeout=0.05)
+            if not worked:  # nothing ran (idle, or every running request sits out): a new job wakes it
+                self._wake.wait(timeout=wait)
 
     def _load_on_demand(self, slot: ModelSlot) -> None:
         evicted = self._make_room(slot)

@@ -71,6 +71,9 @@ def add_routes(app, registry: ModelRegistry) -> None:
             raise APIError(404, f"model {model_id!r} not found; this server serves {served}", "not_found_error")
         return {**slot.plan.to_dict(), "state": slot.state, "measured_process_bytes": _rss_now()}
 
+    # ahead of app.py's GET /v1/models/{model_id:path}, whose id would otherwise swallow "/plan"
+    app.router.routes.insert(0, app.router.routes.pop())
+
 
 def _rss_now() -> int:
     from .models import _rss

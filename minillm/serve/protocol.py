@@ -268,11 +268,14 @@ class Completion(_Envelope):
     usage: UsageInfo | None = None
 
 
+SERVED_SINCE = int(time.time())  # a served model's "created": when this process began serving (Unix s)
+
+
 class ModelCard(BaseModel):
     model_config = ConfigDict(extra="allow")  # a multi-model server adds state, weight_dtype, resident bytes
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = SERVED_SINCE  # the same in every answer (GET /v1/models and /v1/models/{id})
     owned_by: str = "minillm"
 
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 import minillm
+from minillm.errors import InvalidConstraintError
 
 from . import logprobs as lp
 from . import protocol as p
@@ -59,8 +60,16 @@ class APIError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
+def constraint_error(exc: Exception) -> APIError:
+    """A ``response_format`` the engine refuses -> 400 naming the field: the same answer whether the
+    HTTP layer checked it (the model loaded) or the request's admission did (after a load on demand)."""
+    return APIError(400, f"response_format.json_schema.schema: {exc}", param="response_format")
+
+
 def runtime_error(exc: Exception) -> APIError:
     """A MiniLLMError the runtime raised (its message names the fix) -> 400; anything else -> 500."""
+    if isinstance(exc, InvalidConstraintError):
+        return constraint_error(exc)
     if isinstance(exc, minillm.MiniLLMError):
         return APIError(400, f"{type(exc).__name__}: {exc}", code=type(exc).__name__)
     if isinstance(exc, MiniLLMBug):

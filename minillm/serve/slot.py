@@ -66,6 +66,7 @@ class ModelSlot(Worker):
         The ``warmup`` phase includes what the requests' diagnosis reads, measured there rather than in
         a request's step: this model's products rate and, at the first load only, the machine's rates."""
         self.state = "loading"
+        self._phase("loading")
         t0 = time.perf_counter()
         self.model = minillm.load(
             self.spec.source, warmup=False, threads=self.threads, progress=False, weight_dtype=self.spec.weight_dtype
@@ -78,10 +79,12 @@ class ModelSlot(Worker):
         self.pool.keys.fill(0)  # commit every page now: the pool is resident as planned, not on first write
         self.pool.values.fill(0)
         t2 = time.perf_counter()
+        self._phase("loaded", seconds=dict(self.model.load_seconds), blocks_total=self.pool.num_blocks)
         if self.warmup:  # a tracer's warm-up also measures the diagnosis's rates (describe.warmup), not a step
             tracer = minillm.Tracer()
             run_warmup(self.model, tracer=tracer, pool=self.pool)
             self.calibration = next((e.data.get("calibration") for e in tracer.events if e.phase == "warmup"), None)
+            self._phase("warmup", seconds=self.model.warmup_s, calibration=self.calibration)
         trim_heap()  # the load's temporaries (float32 rows before int8, file buffers) leave the resident set
         t3 = time.perf_counter()
         self.scheduler = Scheduler(
@@ -95,9 +98,15 @@ class ModelSlot(Worker):
             "load_s": t3 - t0,
             "evicted": [{"model": m, "reason": r} for m, r in evicted],
         }
+        self._phase("ready", blocks_total=self.pool.num_blocks, bytes_per_block=self.pool.bytes_per_block)
         for job in list(self.queue.queue):  # the requests that waited for this load
             job.load_s = t3 - t0
         return phases
+
+    def _phase(self, phase: str, **facts) -> None:
+        """A ``load`` event on the live page's stream, naming this model (the one-model worker's phases,
+        and ``unloaded`` when the registry evicts it)."""
+        self.live.load(phase, model=self.spec.served, **facts)
 
     def unload(self) -> None:
         """Drop the model, its pool and scheduler (only ever called when idle)."""
@@ -106,21 +115,21 @@ class ModelSlot(Worker):
             self.guard.token_bytes = None  # (an evicted model's tokenizer, which no plan counts any more)
         self.model = self.pool = self.scheduler = None
         self.state, self.status = "unloaded", "unloaded"
+        self._phase("unloaded")
         gc.collect()
         trim_heap()
 
-    def step(self) -> bool:
-        """Take queued jobs and run one scheduler step; returns whether there was work."""
+    def step(self) -> float | None:
+        """Take queued jobs and run one step as the one-model worker does (``Worker.run_step``: the
+        drain's cancel, the live events, the answers). Returns None when there was nothing to run,
+        0.0 when it stepped, else seconds until a slow-motion request is due (nothing ran)."""
         self._take_jobs(block=False)
         if not self.scheduler.has_work():
-            return False
-        try:
-            self.scheduler.step()
-        except Exception as exc:  # noqa: BLE001 - a bug: answer every client, keep the server alive
-            self._fail_all(exc)
-        self._publish()
-        self.last_use = time.time()
-        return True
+            return None
+        pause = self.run_step()
+        if pause == 0.0:
+            self.last_use = time.time()
+        return pause
 
     def _admit(self, job: Job) -> None:
         super()._admit(job)

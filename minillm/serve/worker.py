@@ -33,6 +33,7 @@ from minillm.runtime.steps import prepare
 
 from . import logprobs as lp
 from .events import EventBus
+from .gauges import Gauges
 from .jobs import Active, Job, Outcome, QueueFullError
 from .live import LiveFeed
 from .metrics import ServerMetrics
@@ -43,7 +44,7 @@ from .traces import TraceStore
 __all__ = ["Active", "Job", "Outcome", "QueueFullError", "Worker"]
 
 
-class Worker:
+class Worker(Gauges):
     """Loads the model, then runs queued jobs together, a continuous batch, on its own thread.
 
     Implements :class:`~minillm.serve.interface.ServedModels` for one model.
@@ -168,61 +169,28 @@ class Worker:
         """Move queued jobs into the batch (waiting for one if ``block``), run one step, send what
         it made. The worker thread calls it in a loop; tests call it to step the worker by hand."""
         self._take_jobs(block=block)
+        pause = self.run_step()
+        if pause > 0:  # only slow-motion requests run, all sitting out: wait (a new job ends it)
+            self._take_jobs(block=True, timeout=pause)
+
+    def run_step(self) -> float:
+        """One scheduler step with its drain check, live events and answers (the registry's thread
+        calls it for each loaded slot). Returns 0.0 when it stepped or had nothing to run, else the
+        seconds until a slow-motion request is due (every running one sits out: nothing ran)."""
         self.guard.between_steps(a.request for a in self.active.values())
-        if self.scheduler.has_work():
-            pause = self.scheduler.seconds_until_ready()
-            if pause > 0:  # only slow-motion requests run, all sitting out: wait (a new job ends it)
-                self._take_jobs(block=True, timeout=pause)
-                return
-            self.live.before_step(self.scheduler)
-            try:
-                self.scheduler.step()
-            except Exception as exc:  # noqa: BLE001 - a bug: answer every client, keep the worker alive
-                self._fail_all(exc)
-            self.live.after_step(self)
-            self._publish()
-
-    @property
-    def running(self) -> int:
-        """Requests in the running batch."""
-        return len(self.scheduler.running) if self.scheduler is not None else 0
-
-    @property
-    def waiting(self) -> int:
-        """Requests waiting: in the queue, being admitted (taken from the queue, prepared, not yet in
-        the scheduler), and in the scheduler but not yet running."""
-        scheduled = len(self.scheduler.waiting) if self.scheduler is not None else 0
-        return self.queue.qsize() + len(self._admitting) + scheduled
-
-    @property
-    def kv_bytes_reserved(self) -> int:
-        """Bytes of the pool's blocks held by requests (a shared block counted once)."""
-        return self.pool.num_used_blocks * self.pool.bytes_per_block if self.pool is not None else 0
-
-    @property
-    def kv_bytes_in_use(self) -> int:
-        """Bytes holding the running requests' filled positions."""
-        return sum(r.seq.used_bytes for r in self.scheduler.running) if self.scheduler is not None else 0
-
-    @property
-    def blocks_used(self) -> int:
-        """KV-pool blocks held by requests."""
-        return self.pool.num_used_blocks if self.pool is not None else 0
-
-    @property
-    def blocks_total(self) -> int:
-        """KV-pool blocks in all (0 before the pool is built)."""
-        return self.pool.num_blocks if self.pool is not None else 0
-
-    @property
-    def tracked(self) -> int:
-        """Requests admitted and not yet answered."""
-        return len(self.active)
-
-    @property
-    def alive(self) -> bool:
-        """True while the worker thread runs."""
-        return self.thread is not None and self.thread.is_alive()
+        if not self.scheduler.has_work():
+            return 0.0
+        pause = self.scheduler.seconds_until_ready()
+        if pause > 0:
+            return pause
+        self.live.before_step(self.scheduler)
+        try:
+            self.scheduler.step()
+        except Exception as exc:  # noqa: BLE001 - a bug: answer every client, keep the worker alive
+            self._fail_all(exc)
+        self.live.after_step(self)
+        self._publish()
+        return 0.0
 
     def served_names(self) -> list[str]:
         """The one name clients pass as ``model``."""

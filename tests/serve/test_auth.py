@@ -72,7 +72,7 @@ def test_every_route_the_app_declares_answers_each_caller_as_documented(classroo
         calls = walk(http, routes, keys, {"request_id": own.json()["id"], "model_id": MODEL}, bodies)
         page = http.get("/ui", headers={"accept": "text/html"})  # a browser opening the page without a key
     assert [c for c in calls if c[2] != c[3]] == []
-    assert len(calls) == 4 * len(routes) == 4 * 12
+    assert len(calls) == 4 * len(routes) == 4 * 13
     assert page.status_code == 401 and page.headers["www-authenticate"] == 'Bearer realm="minillm"'
     assert "<title>minillm live</title>" in page.text and 'id="key-box"' in page.text  # the page asks for the key
 

@@ -77,7 +77,7 @@ def test_the_several_model_server_answers_every_route_as_documented(projector):
         calls = walk(http, routes, keys, {"request_id": own.json()["id"], "model_id": MODEL}, bodies)
         plan = http.get(f"/v1/models/{MODEL}/plan", headers=bearer(OBSERVER)).json()
     assert [c for c in calls if c[2] != c[3]] == []
-    assert len(calls) == 4 * 13 and plan["state"] == "loaded"
+    assert len(calls) == 4 * 14 and plan["state"] == "loaded"
 
 
 SECRET = "Pachycephalosaurus"

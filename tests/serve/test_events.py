@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 from event_reader import Reader
-from servers import metrics, running_server
+from servers import SERVERS, metrics, running_server
 
 from minillm.serve.events import EventBus, TooManySubscribers
 
@@ -129,9 +129,10 @@ def test_ui_without_its_file_is_a_404_naming_why(tmp_path, monkeypatch):
 
 
 # --- a real server ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    flags = ("--events-buffer", "48", "--max-event-subscribers", "24", "-v", "quiet")
+@pytest.fixture(scope="module", params=list(SERVERS))
+def server(tmp_path_factory, request):
+    """One model's server, then a several-model server (``servers.SERVERS``): the same events from both."""
+    flags = ("--events-buffer", "48", "--max-event-subscribers", "24", "-v", "quiet", *SERVERS[request.param])
     with running_server(tmp_path_factory.mktemp("events"), *flags) as (url, log):
         yield url, log
 
@@ -236,6 +237,11 @@ def test_slow_motion_holds_one_request_and_pool_equals_metrics(server):
     # held exactly on the plain request's steps that ran between the slow one's first and last step
     others = [s["step"] for s in steps if other["id"] in [r["id"] for r in s["rows"]]]
     assert held and set(held) <= set(others) and all(fed[0] < h < fed[-1] for h in held)
+    # no step ran while every running request sat out (a step then feeds nobody): the scheduler's step
+    # numbers between the slow request's first and last step are all published, each feeding a row
+    between = [s for s in steps if fed[0] <= s["step"] <= fed[-1]]
+    assert [s["step"] for s in between] == list(range(fed[0], fed[-1] + 1))
+    assert all(s["rows"] for s in between)
     after = metrics(url)  # never counted in the latency metrics
     for name in ("minillm_time_to_first_token_seconds_count", "minillm_e2e_request_latency_seconds_count"):
         assert after[name] == before[name] + 1  # the plain request's

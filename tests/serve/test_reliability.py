@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from servers import MODEL, free_port, metrics, wait_for
+from servers import MODEL, SERVERS, free_port, metrics, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,8 +137,13 @@ def test_sigterm_drains_four_streams_refuses_new_ones_and_exits_0(tmp_path, cali
     assert "drained 4 requests (4 finished, 0 cancelled or failed)" in text
 
 
-def test_past_the_shutdown_timeout_requests_are_cancelled_with_the_reason(tmp_path, calibration):
-    proc, url, log = start(tmp_path, calibration, "--shutdown-timeout", "1")
+@pytest.mark.parametrize("served", list(SERVERS))
+def test_past_the_shutdown_timeout_requests_are_cancelled_with_the_reason(tmp_path, calibration, served):
+    """One model or several (``servers.SERVERS``): past the timeout the stream ends with finish_reason
+    "abort" and [DONE] (the client's loop ends without an error), and the log names the cancellation.
+    (The several-model server's slots never checked the drain's reason: the stream ran on past the
+    timeout until the process exited under it, with no finish reason and nothing logged.)"""
+    proc, url, log = start(tmp_path, calibration, "--shutdown-timeout", "1", *SERVERS[served])
     try:
         client = openai_client(url)
         threads, results, errors = in_threads(lambda: stream_text(client, "Once upon a time", 3000), [()])
@@ -156,6 +161,7 @@ def test_past_the_shutdown_timeout_requests_are_cancelled_with_the_reason(tmp_pa
     assert finish == "abort" and reason == "cancelled" and text
     assert code == 0
     assert "cancelled (server shutting down: --shutdown-timeout 1 s passed)" in log.read_text()
+    assert "drained 1 requests (0 finished, 1 cancelled or failed)" in log.read_text()
 
 
 def test_a_second_signal_exits_at_once_with_status_1(tmp_path, calibration):

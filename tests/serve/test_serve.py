@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 from helpers import run_bench
-from servers import MODEL, chat_body, metrics, running_server
+from servers import MODEL, SECOND, SERVERS, chat_body, metrics, running_server
 
 import minillm
 
@@ -22,9 +22,10 @@ pytestmark = pytest.mark.slow
 
 
 # --- servers -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("serve")) as (url, log):
+@pytest.fixture(scope="module", params=list(SERVERS))
+def server(tmp_path_factory, request):
+    """One model's server, then a several-model server (``servers.SERVERS``): every test runs on both."""
+    with running_server(tmp_path_factory.mktemp("serve"), *SERVERS[request.param]) as (url, log):
         yield url, log
 
 
@@ -189,8 +190,27 @@ def test_request_id_header_body_trace_and_console(server):
     assert missing.status_code == 404 and "cmpl-nope" in missing.json()["error"]["message"]
 
 
-def test_models_endpoint(client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+def test_models_endpoint_lists_and_retrieves_each_served_model(client, server, request):
+    """GET /v1/models and OpenAI's GET /v1/models/{id} (the client's ``models.retrieve``): each listed
+    model retrieves as OpenAI's model object; another name is a 404 in OpenAI's shape."""
+    import openai
+
+    served = [MODEL, SECOND] if request.node.callspec.params["server"] == "several" else [MODEL]
+    listed = {m.id: m for m in client.models.list().data}
+    assert list(listed) == served
+    for name in served:
+        card = client.models.retrieve(name)
+        assert (card.id, card.object, card.owned_by) == (name, "model", "minillm")
+        assert card.created == listed[name].created == client.models.retrieve(name).created  # a fixed Unix time
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4o")
+    names = ", ".join(map(repr, served))
+    assert err.value.body == {
+        "message": f"model 'gpt-4o' not found; this server serves {names} (GET /v1/models)",
+        "type": "not_found_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
 
 
 # --- cancellation --------------------------------------------------------------------------------

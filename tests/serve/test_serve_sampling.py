@@ -13,15 +13,16 @@ import httpx
 import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
-from servers import MODEL, metrics, running_server
+from servers import MODEL, SERVERS, metrics, running_server
 
 pytestmark = pytest.mark.slow
 COMMA = 28
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("serve-sampling")) as (base, _log):
+@pytest.fixture(scope="module", params=list(SERVERS))
+def url(tmp_path_factory, request):
+    """One model's server, then a several-model server (``servers.SERVERS``): every field on both."""
+    with running_server(tmp_path_factory.mktemp("serve-sampling"), *SERVERS[request.param]) as (base, _log):
         yield base
 
 
@@ -124,9 +125,18 @@ def check_common(url, field: str, call) -> bool:
         cut = greedy[3:5]
         assert text(call(url, temperature=0, stop=[cut])) == greedy[: greedy.index(cut)]
     elif field == "stream_options":
-        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}
-        }) as r:
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            timeout=60,
+            json={
+                "model": MODEL,
+                "prompt": "Hi",
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: {")]
         assert '"completion_tokens":2' in lines[-1]
     elif field in NO_EFFECT:
@@ -207,17 +217,44 @@ def check_response_format(url) -> None:
 
 # --- constrained decoding through the official client ----------------------------------------------
 SCHEMAS = [
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-     "additionalProperties": False},
-    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"],
-     "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    },
     {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
-     "additionalProperties": False},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1,
-     "maxItems": 3}}, "required": ["tags"], "additionalProperties": False},
-    {"type": "object", "properties": {"p": {"type": "object", "properties": {"x": {"type": "integer"}},
-     "required": ["x"], "additionalProperties": False}}, "required": ["p"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3}},
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "p": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}},
+                "required": ["x"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["p"],
+        "additionalProperties": False,
+    },
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 5}, "minItems": 2, "maxItems": 2},
     {"type": "string", "enum": ["yes", "no"]},
 ]
@@ -243,8 +280,9 @@ def test_response_format_streamed_and_not_give_equal_text(client):
     kwargs = dict(temperature=0, max_tokens=40, response_format=schema_format(SCHEMAS[0]))
     content = "Which city is the capital of France? Answer in JSON."
     whole = create(client, content, **kwargs).choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in create(client, content, **kwargs, stream=True)
-                       if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in create(client, content, **kwargs, stream=True) if c.choices
+    )
     assert streamed == whole
     assert set(json.loads(whole)) == {"city"}
 
@@ -264,8 +302,14 @@ def test_eight_concurrent_constrained_requests_each_follow_their_own_schema(clie
             done.wait(0.05)
 
     def ask(j: int) -> str:
-        r = create(client, f"Answer {j} in JSON.", temperature=1.0, seed=j, max_tokens=60,
-                   response_format=schema_format(SCHEMAS[j], f"s{j}"))
+        r = create(
+            client,
+            f"Answer {j} in JSON.",
+            temperature=1.0,
+            seed=j,
+            max_tokens=60,
+            response_format=schema_format(SCHEMAS[j], f"s{j}"),
+        )
         assert r.choices[0].finish_reason == "stop", r
         return r.choices[0].message.content
 
@@ -300,8 +344,11 @@ def test_max_tokens_cutting_the_json_short_is_length_with_an_error(client):
     assert choice.finish_reason == "length" and "will not parse" in choice.model_extra["minillm_error"], choice
     with pytest.raises(json.JSONDecodeError):
         json.loads(choice.message.content)
-    chunks = [c for c in create(client, "Which city is the capital of France? Answer in JSON.", **kwargs, stream=True)
-              if c.choices]
+    chunks = [
+        c
+        for c in create(client, "Which city is the capital of France? Answer in JSON.", **kwargs, stream=True)
+        if c.choices
+    ]
     last = chunks[-1].choices[0]
     assert last.finish_reason == "length" and "will not parse" in last.model_extra["minillm_error"], last
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
@@ -327,3 +374,21 @@ def test_a_cut_inside_a_const_is_reported_as_the_text_reads(client, max_tokens, 
         assert (error is not None and "will not parse" in error) if cut else error is None, error
     if not cut:
         assert json.loads(content) == "affirmative and final"
+
+
+def test_an_invalid_schema_is_the_same_400_for_every_served_model(client):
+    """Loaded or not (the several-model server's second model is not loaded yet: its schema is checked
+    when it loads, at admission), an invalid schema is one 400 naming the wrong part. (Last in this
+    module: on the several-model server it loads the second model, evicting the first.)"""
+    import openai
+
+    bad = {"type": "object", "properties": {"age": {"type": "integr"}}}
+    bodies = []
+    for card in client.models.list().data:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=card.id, messages=user("Hi"), response_format=schema_format(bad))
+        bodies.append(err.value.body)
+    assert len({json.dumps(b, sort_keys=True) for b in bodies}) == 1, bodies
+    error = bodies[0]
+    assert (error["param"], error["type"], error["code"]) == ("response_format", "invalid_request_error", None)
+    assert error["message"].startswith("response_format.json_schema.schema: invalid JSON schema: at $.properties.age")

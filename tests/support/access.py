@@ -23,6 +23,7 @@ ROUTES = {
     ("GET", "/health"): (200, 200, 200, 200),
     ("GET", "/metrics"): (401, 401, 200, 200),
     ("GET", "/v1/models"): (401, 401, 200, 200),
+    ("GET", "/v1/models/{model_id:path}"): (401, 401, 200, 200),  # OpenAI's retrieve, as /v1/models
     ("GET", "/v1/models/{model_id:path}/plan"): (401, 401, 200, 200),  # several models (multi_server.py)
     ("GET", "/v1/traces/{request_id}"): (401, 401, 200, 200),  # a trace of the inference key's own request
     ("GET", "/v1/events"): (401, 401, 200, 200),

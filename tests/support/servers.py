@@ -17,6 +17,13 @@ from benchmarks.server_process import free_port, ready, stop, wait_for
 
 #: The model every server test serves (the default model, fetched on first use).
 MODEL = "smollm2-135m-instruct"
+#: The second model of the several-model server (``SERVERS["several"]``): MODEL held at int8.
+SECOND = MODEL + ":int8"
+#: The two servers a server test's module fixture is parametrized over (issue 47: one server path):
+#: ``one``, ``minillm serve MODEL`` (a Worker); ``several``, a registry (ModelRegistry) of MODEL and
+#: SECOND whose memory budget holds one of them at a time (each plan fills it: MODEL's at full context
+#: is about 1.27 GiB). MODEL is loaded first, so a test that names MODEL meets it ready on both.
+SERVERS = {"one": (), "several": ("--model", SECOND, "--memory-budget", "1500MiB")}
 
 
 @contextmanager
