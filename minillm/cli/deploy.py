@@ -121,6 +121,8 @@ def _run(config, args: argparse.Namespace, console: Console) -> int:
                 config.check()
                 console.print("minillm deploy: config changed: rolling update")
                 serve.run(build(asdict(config)), name="minillm", route_prefix="/", blocking=False)
+                counts = _counts(serve)  # serve.run returns once the new replicas all run
+                console.print(f"minillm deploy: rolled: replicas {counts}")
         console.print(f"minillm deploy: {stop[0]}: stopping the replicas (each drains), Serve and Ray")
     finally:
         serve.shutdown()

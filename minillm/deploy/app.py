@@ -13,8 +13,6 @@ settings first, so a config that cannot run starts no replica.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
@@ -53,7 +51,7 @@ def deployment_options(config: DeployConfig) -> dict:
     if config.router == "prefix":
         options["request_router_config"] = RequestRouterConfig(
             request_router_class="minillm.deploy.router:PrefixRouter",
-            request_router_kwargs={"model": config.model},
+            request_router_kwargs={"model": config.model, "block_size": config.block_size},
             request_routing_stats_period_s=0.5,
             request_routing_stats_timeout_s=2.0,
         )
@@ -69,7 +67,7 @@ def build(args: dict) -> serve.Application:
     config = DeployConfig.from_args(args)
     config.check()
     replicas = serve.deployment(serve.ingress()(MiniLLMReplica)).options(**deployment_options(config))
-    bound = replicas.bind(asdict(config))
+    bound = replicas.bind(config.replica_settings())
     if config.router == "prefix":
         return serve.deployment(Relay, name="Relay", ray_actor_options={"num_cpus": 0}).bind(bound)
     return bound

@@ -22,6 +22,9 @@ DEPLOYMENT = "MiniLLM"
 #: The application's import path, for Ray's config file.
 IMPORT_PATH = "minillm.deploy.app:build"
 ROUTERS = ("prefix", "default")  # ours (router.py), or Ray's power-of-two-choices
+#: Settings of the deployment, not of a replica: changing them scales or reroutes, replacing no replica.
+SCALING = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s",
+           "downscale_delay_s", "router")  # fmt: skip
 
 
 @dataclass
@@ -130,7 +133,7 @@ class DeployConfig:
         problems = [
             (self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}"),
             ((low is None) == (high is None), "autoscaling needs both min_replicas and max_replicas"),
-            (low is None or 1 <= low <= self.replicas <= high, f"need 1 <= min_replicas ({low}) <= replicas "
+            (low is None or high is None or 1 <= low <= self.replicas <= high, f"need 1 <= min_replicas ({low}) <= replicas "
              f"({self.replicas}) <= max_replicas ({high})"),
             (self.weight_dtype in WEIGHT_DTYPES, f"weight_dtype {self.weight_dtype!r} is not one of {WEIGHT_DTYPES}"),
             (self.router in ROUTERS, f"router {self.router!r} is not one of {ROUTERS}"),
@@ -174,15 +177,10 @@ class DeployConfig:
             )
         return plan
 
-    def version(self) -> str:
-        """A short hash of the settings a replica is built from: Ray rolls the replicas when it changes."""
-        import hashlib
-        import json
-
-        scaling = {"replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s",
-                   "downscale_delay_s", "router"}  # fmt: skip
-        built = {k: v for k, v in asdict(self).items() if k not in scaling}
-        return hashlib.sha256(json.dumps(built, sort_keys=True).encode()).hexdigest()[:12]
+    def replica_settings(self) -> dict:
+        """The settings a replica is built from (the scaling and routing ones left out): what the
+        deployment binds, so a change of these, and only these, makes Ray replace (roll) the replicas."""
+        return {k: v for k, v in asdict(self).items() if k not in SCALING}
 
     def serve_config(self, host: str = "127.0.0.1", port: int = 8000, name: str = "minillm") -> dict:
         """Ray Serve's config file as a dict: one application whose ``args`` are these settings."""

@@ -4,7 +4,7 @@
                                  worker renders them) -> the block hash chain of the paged pool
                                  (``model.paged_kv_cache.block_hashes``, under the replica's identity)
     each replica's stats      -> the hashes its pool holds (``replica.record_routing_stats``), plus
-                                 the ones this router sent it since (its stats lag a period behind)
+                                 the prompts this router sent it (its stats lag a period behind)
     choose                    -> the replica with the longest run of held blocks from the start;
                                  when replicas are imbalanced (their queues differ by more than
                                  ``imbalanced_threshold``) or nothing matches: the least loaded
@@ -28,57 +28,57 @@ class PrefixRouter(RequestRouter):
     """A Ray Serve ``RequestRouter`` over minillm replicas (``request_router_kwargs``: ``model``,
     ``imbalanced_threshold`` in queued requests)."""
 
-    def initialize_state(self, model: str = "smollm2-135m-instruct", imbalanced_threshold: int = 8):
+    def initialize_state(
+        self, model: str = "smollm2-135m-instruct", imbalanced_threshold: int = 8, block_size: int = 16
+    ):
         from minillm.sources.plan_files import plan_folder
         from minillm.text.tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_folder(plan_folder(model))
-        self.imbalanced_threshold = imbalanced_threshold
+        self.imbalanced_threshold, self.block_size = imbalanced_threshold, block_size
         self.sent: dict = defaultdict(set)  # replica id -> hashes routed to it since its stats came
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         """Ranks of replicas, best first: the one holding most of the prompt's prefix (when loads are
-        balanced), then the rest by load. A request whose body has no prompt: least loaded first."""
+        balanced), else the least loaded (between equals, the one holding fewest blocks, so a new
+        prefix goes where there is room); the rest after it. A request whose body has no prompt:
+        least loaded first. The first choice is remembered as holding the prompt's blocks."""
         loads = {}
         for replica, queue_len in await self._probe_queue_lens(candidate_replicas, 0):
             loads[replica.replica_id] = queue_len if queue_len is not None else 10**6
-        by_load = sorted(candidate_replicas, key=lambda r: loads.get(r.replica_id, 10**6))
+        by_load = sorted(candidate_replicas, key=lambda r: (loads.get(r.replica_id, 10**6), self.holding(r)))
         ids = prompt_ids(self.tokenizer, pending_request)
         if ids is None or not by_load:
             return [by_load]
         spread = max(loads.values(), default=0) - min(loads.values(), default=0)
         held = {r.replica_id: self.matched(r, ids) for r in candidate_replicas}
         best = max(held.values(), default=0)
-        if spread > self.imbalanced_threshold or best == 0:
-            return [by_load]
-        first = [r for r in by_load if held[r.replica_id] == best]
-        return [first, [r for r in by_load if r not in first]]
+        if spread <= self.imbalanced_threshold and best > 0:
+            by_load.sort(key=lambda r: held[r.replica_id] != best)  # stable: by load among the best
+        self.sent[by_load[0].replica_id].update(h.hex() for h in block_hashes(ids, self.block_size))
+        return [by_load[:1], by_load[1:]]
 
     def matched(self, replica: RunningReplica, ids: list[int]) -> int:
-        """How many of ``ids``' leading full blocks ``replica`` holds (its stats, or sent to it since)."""
+        """How many of ``ids``' leading full blocks ``replica`` holds: in its pool (its stats, hashed
+        under its identity) or sent to it by this router since (hashed under no identity)."""
         stats = replica.routing_stats or {}
-        if "identity" not in stats:
-            return 0
-        hashes = block_hashes(ids, stats["block_size"], identity=bytes.fromhex(stats["identity"]))
-        held = set(stats["blocks"]) | self.sent[replica.replica_id]
+        size = stats.get("block_size", self.block_size)
+        pooled = set(stats.get("blocks", ()))
+        ours = block_hashes(ids, size, identity=bytes.fromhex(stats["identity"])) if "identity" in stats else []
+        sent = block_hashes(ids, size)
         n = 0
-        for h in hashes:
-            if h.hex() not in held:
-                break
+        while n < len(sent) and (
+            (n < len(ours) and ours[n].hex() in pooled) or sent[n].hex() in self.sent[replica.replica_id]
+        ):
             n += 1
         return n
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        """Remember that ``replica_id`` will hold this prompt's blocks (before its stats say so)."""
-        ids = prompt_ids(self.tokenizer, pending_request)
-        replica = self._replicas.get(replica_id) if hasattr(self, "_replicas") else None
-        stats = (replica.routing_stats if replica is not None else None) or {}
-        if ids is None or "identity" not in stats:
-            return
-        hashes = block_hashes(ids, stats["block_size"], identity=bytes.fromhex(stats["identity"]))
-        self.sent[replica_id].update(h.hex() for h in hashes)
+    def holding(self, replica: RunningReplica) -> int:
+        """How many block hashes ``replica`` holds (its stats, and sent to it since)."""
+        stats = replica.routing_stats or {}
+        return len(set(stats.get("blocks", ())) | self.sent[replica.replica_id])
 
 
 def prompt_ids(tokenizer, pending_request: PendingRequest | None) -> list[int] | None:

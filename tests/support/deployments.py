@@ -94,7 +94,7 @@ def stop_deployment(proc: subprocess.Popen, family: list[int]) -> None:
 
 def replica_counts(log: Path) -> list[int]:
     """The running replica counts the command printed from Ray Serve's status, in order."""
-    return [int(n) for n in re.findall(r"minillm deploy: (?:ready on \S+ \(|replicas )running (\d+)", log.read_text())]
+    return [int(n) for n in re.findall(r"minillm deploy: (?:ready on \S+ \(|replicas |rolled: replicas )[^\n]*?\brunning (\d+)", log.read_text())]
 
 
 def tree_rss(pid: int) -> int:
