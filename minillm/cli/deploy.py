@@ -117,9 +117,12 @@ def _run(config, args: argparse.Namespace, console: Console) -> int:
                 counts = now
             if args.config and _mtime(args.config) != seen:
                 seen = _mtime(args.config)
-                config = DeployConfig.from_file(args.config)
+                old, config = config, DeployConfig.from_file(args.config)
                 config.check()
-                console.print("minillm deploy: config changed: rolling update")
+                rolled = old.replica_settings() != config.replica_settings()
+                console.print(
+                    f"minillm deploy: config changed: {'rolling update' if rolled else 'no replica replaced'}"
+                )
                 serve.run(build(asdict(config)), name="minillm", route_prefix="/", blocking=False)
                 counts = _counts(serve)  # serve.run returns once the new replicas all run
                 console.print(f"minillm deploy: rolled: replicas {counts}")

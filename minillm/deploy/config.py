@@ -133,8 +133,8 @@ class DeployConfig:
         problems = [
             (self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}"),
             ((low is None) == (high is None), "autoscaling needs both min_replicas and max_replicas"),
-            (low is None or high is None or 1 <= low <= self.replicas <= high, f"need 1 <= min_replicas ({low}) <= replicas "
-             f"({self.replicas}) <= max_replicas ({high})"),
+            (low is None or high is None or 1 <= low <= self.replicas <= high,
+             f"need 1 <= min_replicas ({low}) <= replicas ({self.replicas}) <= max_replicas ({high})"),
             (self.weight_dtype in WEIGHT_DTYPES, f"weight_dtype {self.weight_dtype!r} is not one of {WEIGHT_DTYPES}"),
             (self.router in ROUTERS, f"router {self.router!r} is not one of {ROUTERS}"),
             (self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}"),

@@ -94,7 +94,8 @@ def stop_deployment(proc: subprocess.Popen, family: list[int]) -> None:
 
 def replica_counts(log: Path) -> list[int]:
     """The running replica counts the command printed from Ray Serve's status, in order."""
-    return [int(n) for n in re.findall(r"minillm deploy: (?:ready on \S+ \(|replicas |rolled: replicas )[^\n]*?\brunning (\d+)", log.read_text())]
+    said = r"minillm deploy: (?:ready on \S+ \(|replicas |rolled: replicas )[^\n]*?\brunning (\d+)"
+    return [int(n) for n in re.findall(said, log.read_text())]
 
 
 def tree_rss(pid: int) -> int:
