@@ -107,7 +107,10 @@ def _run(config, args: argparse.Namespace, console: Console) -> int:
     ray.init(num_cpus=max(2, config.most_replicas + 1), include_dashboard=False, log_to_driver=True)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build(asdict(config)), name="minillm", route_prefix="/")
+        if args.config:  # as Ray's `serve deploy` does: an edit of counts alone replaces no replica
+            apply_config(config, args)
+        else:
+            serve.run(build(asdict(config)), name="minillm", route_prefix="/")
         console.print(f"minillm deploy: ready on http://{args.host}:{args.port} ({_counts(serve)})")
         seen, counts = _mtime(args.config), _counts(serve)
         while not stop:
@@ -123,15 +126,43 @@ def _run(config, args: argparse.Namespace, console: Console) -> int:
                 console.print(
                     f"minillm deploy: config changed: {'rolling update' if rolled else 'no replica replaced'}"
                 )
-                serve.run(build(asdict(config)), name="minillm", route_prefix="/", blocking=False)
-                counts = _counts(serve)  # serve.run returns once the new replicas all run
-                console.print(f"minillm deploy: rolled: replicas {counts}")
+                apply_config(config, args)
+                counts = _counts(serve)  # once the new replicas all run
+                console.print(f"minillm deploy: config applied: replicas {counts}")
         console.print(f"minillm deploy: {stop[0]}: stopping the replicas (each drains), Serve and Ray")
     finally:
         serve.shutdown()
         ray.shutdown()
     console.print("minillm deploy: stopped")
     return 0
+
+
+def apply_config(config, args: argparse.Namespace, timeout: float = 900.0) -> None:
+    """Deploy ``config`` as Ray Serve's config file (what ``serve deploy`` sends the controller) and wait
+    until the application runs.
+
+    Raises:
+        RuntimeError: the application failed to deploy (Ray's message), or still deploys after ``timeout`` s.
+    """
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.parse_obj(config.serve_config(args.host, args.port))
+    _get_global_client().deploy_apps(schema)
+    deadline = time.monotonic() + timeout
+    time.sleep(1.0)  # the controller takes the new config before its status says so
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get("minillm")
+        state = (
+            app.status.value if app is not None and hasattr(app.status, "value") else str(getattr(app, "status", ""))
+        )
+        if state == "RUNNING" and _counts(serve).endswith("(healthy)"):
+            return
+        if state == "DEPLOY_FAILED":
+            raise RuntimeError(f"the application failed to deploy: {app.message}")
+        time.sleep(0.25)
+    raise RuntimeError(f"the application still deploys after {timeout:g} s")
 
 
 def _require_deploy_extra() -> None:

@@ -35,17 +35,9 @@ def deployment_options(config: DeployConfig) -> dict:
         "graceful_shutdown_wait_loop_s": 0.5,
         "health_check_period_s": 2.0,
     }
-    if config.min_replicas is not None:
-        options["autoscaling_config"] = AutoscalingConfig(
-            min_replicas=config.min_replicas,
-            initial_replicas=config.replicas,
-            max_replicas=config.max_replicas,
-            target_ongoing_requests=config.target_ongoing_requests,
-            upscale_delay_s=config.upscale_delay_s,
-            downscale_delay_s=config.downscale_delay_s,
-            metrics_interval_s=0.5,
-            look_back_period_s=2.0,
-        )
+    auto = config.autoscaling()
+    if auto is not None:
+        options["autoscaling_config"] = AutoscalingConfig(**auto)
     else:
         options["num_replicas"] = config.replicas
     if config.router == "prefix":

@@ -93,7 +93,19 @@ class DeployConfig:
         apps = data.get("applications") or []
         if not apps or not isinstance(apps[0].get("args"), dict):
             raise InvalidRequestError(f"{path} has no `applications: - args: {{model: ...}}` (Ray Serve's format)")
-        return cls.from_args(apps[0]["args"])
+        scaling = next((d for d in apps[0].get("deployments") or [] if d.get("name") == DEPLOYMENT), {})
+        auto = scaling.get("autoscaling_config") or {}
+        counts = {"replicas": scaling.get("num_replicas", auto.get("initial_replicas", 1))}
+        for name in (
+            "min_replicas",
+            "max_replicas",
+            "target_ongoing_requests",
+            "upscale_delay_s",
+            "downscale_delay_s",
+        ):
+            if name in auto:
+                counts[name] = auto[name]
+        return cls.from_args({**apps[0]["args"], **counts})
 
     @property
     def most_replicas(self) -> int:
@@ -182,9 +194,38 @@ class DeployConfig:
         deployment binds, so a change of these, and only these, makes Ray replace (roll) the replicas."""
         return {k: v for k, v in asdict(self).items() if k not in SCALING}
 
+    def autoscaling(self) -> dict | None:
+        """Ray Serve's ``autoscaling_config`` (None without ``min_replicas``): on ongoing requests per
+        replica, metrics every half second over a 2 s window, the delays before scaling up and down."""
+        if self.min_replicas is None:
+            return None
+        return {
+            "min_replicas": self.min_replicas,
+            "initial_replicas": self.replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "metrics_interval_s": 0.5,
+            "look_back_period_s": 2.0,
+        }
+
     def serve_config(self, host: str = "127.0.0.1", port: int = 8000, name: str = "minillm") -> dict:
-        """Ray Serve's config file as a dict: one application whose ``args`` are these settings."""
+        """Ray Serve's config file as a dict: one application whose ``args`` are what the replicas are
+        built from (and the router), and the replica counts as the deployment's own settings, so a
+        change of counts alone scales without replacing a replica (Ray's lightweight update)."""
+        auto = self.autoscaling()
+        deployment = {"name": DEPLOYMENT, **({"autoscaling_config": auto} if auto else {"num_replicas": self.replicas})}
+        args = {**self.replica_settings(), "router": self.router}
         return {
             "http_options": {"host": host, "port": port},
-            "applications": [{"name": name, "route_prefix": "/", "import_path": IMPORT_PATH, "args": asdict(self)}],
+            "applications": [
+                {
+                    "name": name,
+                    "route_prefix": "/",
+                    "import_path": IMPORT_PATH,
+                    "args": args,
+                    "deployments": [deployment],
+                }
+            ],
         }

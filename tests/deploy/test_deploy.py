@@ -172,7 +172,7 @@ def test_rolling_update_under_20_streams(fleet):
     while len(re.findall(r"\(bfloat16\).*ready \(warmed\)", log.read_text()[mark:])) < 2:
         assert time.monotonic() < deadline, log.read_text()[mark:]
         time.sleep(0.5)
-    wait_for_line(log, r"rolled: replicas running 2 \(healthy\)", None, 120, after=mark)
+    wait_for_line(log, r"config applied: replicas running 2 \(healthy\)", None, 120, after=mark)
     after = [
         httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}) for _ in range(8)
     ]

@@ -59,5 +59,5 @@ def wait_for_line(log: Path, pattern: str, proc: subprocess.Popen | None, timeou
 
 def replica_counts(log: Path) -> list[int]:
     """The running replica counts the command printed from Ray Serve's status, in order."""
-    said = r"minillm deploy: (?:ready on \S+ \(|replicas |rolled: replicas )[^\n]*?\brunning (\d+)"
+    said = r"minillm deploy: (?:ready on \S+ \(|replicas |config applied: replicas )[^\n]*?\brunning (\d+)"
     return [int(n) for n in re.findall(said, log.read_text())]
