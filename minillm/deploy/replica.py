@@ -177,7 +177,10 @@ class MiniLLMReplica:
         while guard.in_flight and time.monotonic() < deadline:
             time.sleep(0.02)
         finished = sum(label == "finished" for _, label, _ in guard.drained)
-        print(f"minillm deploy: replica {self.replica_id} drained {len(guard.drained)} requests ({finished} finished)")
+        print(
+            f"minillm deploy: replica {self.replica_id} stopped: Ray let the requests it served end first; "
+            f"{len(guard.drained)} were still in flight here and drained ({finished} finished)"
+        )
 
 
 def _identity_hex(worker: Worker) -> str:

@@ -178,4 +178,4 @@ def test_rolling_update_under_20_streams(fleet):
     ]
     assert {a.headers["x-minillm-weight-dtype"] for a in after} == {"bfloat16"}
     assert not {a.headers["x-minillm-replica"] for a in after} & before
-    assert len(re.findall(r"replica (\S+) drained", log.read_text()[mark:])) == 2
+    assert len(re.findall(r"replica (\S+) stopped: Ray let the requests it served end first", log.read_text()[mark:])) == 2
