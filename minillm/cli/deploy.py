@@ -42,6 +42,7 @@ def add_deploy_command(sub) -> None:
     d.add_argument("--router", choices=("prefix", "default"), default="prefix", help="prefix-aware or Ray's default")
     d.add_argument("--api-key", action="append", default=[], metavar="KEY", help="an inference key (repeatable)")
     d.add_argument("--observer-key", action="append", default=[], metavar="KEY", help="an observer key (repeatable)")
+    d.add_argument("--metrics-port", type=int, default=None, metavar="P", help="Ray's Prometheus metrics port")
     d.add_argument("--config", default=None, metavar="PATH", help="Ray Serve's config file; watched for changes")
     d.add_argument("--write-config", default=None, metavar="PATH", help="write the settings as that file and exit")
     d.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -104,7 +105,12 @@ def _run(config, args: argparse.Namespace, console: Console) -> int:
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, f: stop.append(signal.Signals(s).name))
-    ray.init(num_cpus=max(2, config.most_replicas + 1), include_dashboard=False, log_to_driver=True)
+    ray.init(
+        num_cpus=max(2, config.most_replicas + 1),
+        include_dashboard=False,
+        log_to_driver=True,
+        _metrics_export_port=args.metrics_port,  # Ray Serve's own metrics (ray_serve_*), per replica
+    )
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         if args.config:  # as Ray's `serve deploy` does: an edit of counts alone replaces no replica
@@ -112,6 +118,8 @@ def _run(config, args: argparse.Namespace, console: Console) -> int:
         else:
             serve.run(build(asdict(config)), name="minillm", route_prefix="/")
         console.print(f"minillm deploy: ready on http://{args.host}:{args.port} ({_counts(serve)})")
+        if args.metrics_port:
+            console.print(f"minillm deploy: Ray Serve's metrics on http://127.0.0.1:{args.metrics_port}/metrics")
         seen, counts = _mtime(args.config), _counts(serve)
         while not stop:
             time.sleep(0.25)
@@ -148,7 +156,7 @@ def apply_config(config, args: argparse.Namespace, timeout: float = 900.0) -> No
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    schema = ServeDeploySchema.parse_obj(config.serve_config(args.host, args.port))
+    schema = ServeDeploySchema.model_validate(config.serve_config(args.host, args.port))
     _get_global_client().deploy_apps(schema)
     deadline = time.monotonic() + timeout
     time.sleep(1.0)  # the controller takes the new config before its status says so

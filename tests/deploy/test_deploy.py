@@ -6,7 +6,8 @@ with one ``minillm serve``, routed by prefix, rolled to other weights. One deplo
   FastAPI app) and through the prefix router equal one ``minillm serve``'s on 5 prompts, streamed
   and not, through the official ``openai`` client;
 - both replicas answer, each names itself (``x-minillm-replica``), and its /metrics carry its id as
-  a label; each printed its load phases and "ready (warmed)" before taking traffic;
+  a label, as Ray Serve's own metrics do (``--metrics-port``); each printed its load phases and
+  "ready (warmed)" before taking traffic;
 - the 4-system-prompt workload (benchmarks/shared_prefixes.py), one request at a time, on pools of
   12 MiB (room for about two of the four system prompts): the cached prompt tokens summed over the
   answers (``usage.prompt_tokens_details.cached_tokens``) are at least 1.5x those of Ray's
@@ -31,6 +32,7 @@ from deployments import MODEL, running_deployment, wait_for_line
 from openai import OpenAI
 from servers import running_server
 
+from benchmarks.server_process import free_port
 from benchmarks.shared_prefixes import run_workload
 from minillm.deploy.config import DeployConfig
 
@@ -56,6 +58,19 @@ def answers(url: str) -> dict[str, list[str]]:
     return {"plain": plain, "streamed": streamed}
 
 
+def ray_serve_metrics(port: int, replicas: set[str], timeout: float = 90.0) -> str:
+    """Ray's own Prometheus text once it counts requests of both ``replicas`` (Ray reports every few seconds)."""
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        counted = re.findall(r'ray_serve_deployment_request_counter_total\{[^}]*replica="([^"]+)"', text)
+        if all(any(r in tag for tag in counted) for r in replicas):
+            break
+        time.sleep(1.0)
+    return text
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """``minillm serve``'s answers (one process, stopped before any deployment starts)."""
@@ -68,10 +83,13 @@ def default_fleet(tmp_path_factory, served):
     """What two replicas behind Ray's default router answered: the 5 questions, the workload, the
     replica ids on /health's headers, /metrics, and the command's log; the deployment stopped after."""
     tmp = tmp_path_factory.mktemp("default")
-    with running_deployment(tmp, "--replicas", "2", "--router", "default", "--kv-cache-mib", "12") as (_, url, log):
+    ray_port = free_port()
+    flags = ("--replicas", "2", "--router", "default", "--kv-cache-mib", "12", "--metrics-port", str(ray_port))
+    with running_deployment(tmp, *flags) as (_, url, log):
         run = {"answers": answers(url), "workload": run_workload(url, MODEL, concurrency=1)}
         run["seen"] = {httpx.get(url + "/health").headers["x-minillm-replica"] for _ in range(12)}
         run["metrics"] = httpx.get(url + "/metrics").text
+        run["ray_metrics"] = ray_serve_metrics(ray_port, run["seen"])
     run["log"] = log.read_text()
     return run
 
@@ -82,6 +100,10 @@ def test_greedy_answers_through_ray_serve_equal_minillm_serve(served, default_fl
 
 
 def test_each_replica_names_itself_and_labels_its_metrics(default_fleet):
+    counted = re.findall(
+        r'ray_serve_deployment_request_counter_total\{[^}]*replica="([^"]+)"', default_fleet["ray_metrics"]
+    )
+    assert all(any(r in tag for tag in counted) for r in default_fleet["seen"])  # Ray Serve's own, per replica
     assert len(default_fleet["seen"]) == 2  # both replicas answered
     assert any(
         f'minillm_kv_cache_blocks_total{{replica="{r}"}}' in default_fleet["metrics"] for r in default_fleet["seen"]
@@ -178,4 +200,6 @@ def test_rolling_update_under_20_streams(fleet):
     ]
     assert {a.headers["x-minillm-weight-dtype"] for a in after} == {"bfloat16"}
     assert not {a.headers["x-minillm-replica"] for a in after} & before
-    assert len(re.findall(r"replica (\S+) stopped: Ray let the requests it served end first", log.read_text()[mark:])) == 2
+    assert (
+        len(re.findall(r"replica (\S+) stopped: Ray let the requests it served end first", log.read_text()[mark:])) == 2
+    )

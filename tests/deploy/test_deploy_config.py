@@ -67,7 +67,7 @@ def test_the_config_file_is_ray_serves_own(tmp_path):
     config = DeployConfig(model=MODEL, replicas=2, threads=1, weight_dtype="int8")
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(config.serve_config(port=8123)))
-    schema = ServeDeploySchema.parse_obj(yaml.safe_load(path.read_text()))  # what `serve deploy` validates
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))  # what `serve deploy` validates
     assert schema.applications[0].import_path == IMPORT_PATH
     assert schema.http_options.port == 8123
     assert DeployConfig.from_file(path) == config
