@@ -19,7 +19,18 @@ ROLES = [
     "a support engineer for a company that sells routers",
     "a librarian who recommends classic novels",
 ]
-QUESTIONS = ["Say hello.", "What can you do?", "Give one tip.", "Name a topic.", "Ask me a question.", "Say bye."]
+QUESTIONS = [
+    "Say hello.",
+    "What can you do?",
+    "Give one tip.",
+    "Name a topic.",
+    "Ask me a question.",
+    "What is your name?",
+    "Help me start.",
+    "Tell me something new.",
+    "What should I read first?",
+    "Say bye.",
+]
 
 
 def system_prompt(role: str) -> str:

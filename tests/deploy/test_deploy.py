@@ -9,7 +9,7 @@ with one ``minillm serve``, routed by prefix, rolled to other weights. One deplo
   a label, as Ray Serve's own metrics do (``--metrics-port``); each printed its load phases and
   "ready (warmed)" before taking traffic;
 - the 4-system-prompt workload (benchmarks/shared_prefixes.py), one request at a time, on pools of
-  12 MiB (room for about two of the four system prompts): the cached prompt tokens summed over the
+  10 MiB (room for about two of the four system prompts): the cached prompt tokens summed over the
   answers (``usage.prompt_tokens_details.cached_tokens``) are at least 1.5x those of Ray's
   power-of-two-choices router, and every greedy answer is the same under both routers;
 - a rolling update (the config file's ``weight_dtype`` float32 -> bfloat16) while 20 streams are in
@@ -84,7 +84,7 @@ def default_fleet(tmp_path_factory, served):
     replica ids on /health's headers, /metrics, and the command's log; the deployment stopped after."""
     tmp = tmp_path_factory.mktemp("default")
     ray_port = free_port()
-    flags = ("--replicas", "2", "--router", "default", "--kv-cache-mib", "12", "--metrics-port", str(ray_port))
+    flags = ("--replicas", "2", "--router", "default", "--kv-cache-mib", "10", "--metrics-port", str(ray_port))
     with running_deployment(tmp, *flags) as (_, url, log):
         run = {"answers": answers(url), "workload": run_workload(url, MODEL, concurrency=1)}
         run["seen"] = {httpx.get(url + "/health").headers["x-minillm-replica"] for _ in range(12)}
@@ -112,7 +112,7 @@ def test_each_replica_names_itself_and_labels_its_metrics(default_fleet):
     assert set(ready) == default_fleet["seen"]
 
 
-SETTINGS = {"model": MODEL, "replicas": 2, "threads": 1, "kv_cache_mib": 12.0}
+SETTINGS = {"model": MODEL, "replicas": 2, "threads": 1, "kv_cache_mib": 10.0}
 
 
 def write_config(path, **changes) -> None:

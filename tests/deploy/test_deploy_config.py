@@ -93,3 +93,12 @@ def test_every_metrics_sample_carries_the_replica_id():
         'a_total{replica="r1"} 3.0',
         'b{replica="r1",reason="eos"} 2.0',
     ]
+
+
+def test_without_ray_the_command_names_the_deploy_extra(monkeypatch, capsys):
+    from minillm.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray Serve were not installed
+    assert main(["deploy", MODEL]) == 2
+    err = capsys.readouterr().err
+    assert "MissingExtraError" in err and "deploy extra" in err and "ray" in err
