@@ -8,6 +8,8 @@
     choose                    -> the replica with the longest run of held blocks from the start;
                                  when replicas are imbalanced (their queues differ by more than
                                  ``imbalanced_threshold``) or nothing matches: the least loaded
+    a request naming a replica  -> that replica (header ``x-minillm-replica``: the live page's
+                                 ``/ui?replica=ID`` follows one replica's events)
 
 Ray's default router picks the less loaded of two random replicas (power of two choices); it never
 looks at the prompt. Ray Serve LLM's ``PrefixCacheAffinityRouter`` keeps a tree of prompt *text*;
@@ -45,6 +47,9 @@ class PrefixRouter(RequestRouter):
         balanced), else the least loaded (between equals, the one holding fewest blocks, so a new
         prefix goes where there is room); the rest after it. A request whose body has no prompt:
         least loaded first. The first choice is remembered as holding the prompt's blocks."""
+        pinned = [r for r in candidate_replicas if r.replica_id.unique_id == asked_replica(pending_request)]
+        if pinned:  # a client following one replica (the live page's /ui?replica=ID)
+            return [pinned]
         loads = {}
         for replica, queue_len in await self._probe_queue_lens(candidate_replicas, 0):
             loads[replica.replica_id] = queue_len if queue_len is not None else 10**6
@@ -79,6 +84,15 @@ class PrefixRouter(RequestRouter):
         """How many block hashes ``replica`` holds (its stats, and sent to it since)."""
         stats = replica.routing_stats or {}
         return len(set(stats.get("blocks", ())) | self.sent[replica.replica_id])
+
+
+def asked_replica(pending_request: PendingRequest | None) -> str | None:
+    """The replica id a relayed request names in its ``x-minillm-replica`` header, or None."""
+    if pending_request is None or not pending_request.args or not isinstance(pending_request.args[0], dict):
+        return None
+    headers = dict(pending_request.args[0].get("headers") or [])
+    value = headers.get(b"x-minillm-replica")
+    return value.decode("latin-1") if value else None
 
 
 def prompt_ids(tokenizer, pending_request: PendingRequest | None) -> list[int] | None:

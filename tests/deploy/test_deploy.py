@@ -139,6 +139,10 @@ def test_prefix_router_caches_more_than_the_default_router(default_fleet, fleet,
     assert len(prefix["replicas"]) == 2  # both replicas served: the prompts were spread, not piled up
     assert prefix["cached_tokens"] >= 1.5 * default["cached_tokens"], (prefix, default)
     assert answers(url) == served  # the relay in front of the router changes no answer
+    for replica in prefix["replicas"]:  # a client may follow one replica (the live page's /ui?replica=ID)
+        got = {httpx.get(url + "/health", headers={"x-minillm-replica": replica}).headers["x-minillm-replica"]}
+        got |= {httpx.get(url + "/health", headers={"x-minillm-replica": replica}).headers["x-minillm-replica"]}
+        assert got == {replica}
 
 
 PROMPTS = ["The capital of France is", "One, two, three,", "Water boils at", "The sky is", "Once upon a time"]
