@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = "model|kernels|text|runtime|observe|sources|serve|cli"
+SUBPACKAGES = "model|kernels|text|runtime|observe|sources|serve|deploy|cli"
 #: ``minillm/model/passes.py`` or ``model/passes.py`` (a file of the package)
 PACKAGE_PATH = re.compile(rf"(?<![\w/.-])((?:minillm/)?(?:{SUBPACKAGES})/[\w/]*\w\.(?:py|html))")
 #: ``runtime.plan.execute`` or ``minillm.runtime.plan.execute``

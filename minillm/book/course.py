@@ -47,14 +47,18 @@ LINES = {
     "16_the_samplers_controls": "Every sampling control of OpenAI's API, and output held to a JSON schema or a regex.",
     "17_when_things_go_wrong": "Clients that vanish, more requests than fit, a request's own bug, and a restart that "
     "drains.",
+    "18_from_one_server_to_a_fleet": "The same server as Ray Serve replicas: one vs two, a rolling update under load, "
+    "and routing by prefix.",
 }
 #: Extras in the order a package is charged to them (``lessons`` installs what every lesson needs).
-EXTRAS = ("notebooks", "reference", "serve", "constrained", "exercises", "lessons")
+EXTRAS = ("notebooks", "reference", "serve", "constrained", "exercises", "deploy", "lessons")
 #: What a lesson's code does with minillm that needs an extra beyond its imports: ``minillm serve`` started
-#: from a cell (``[sys.executable, "-m", "minillm", "serve", ...]``), a grammar constraining the output.
+#: from a cell (``[sys.executable, "-m", "minillm", "serve", ...]``), a grammar constraining the output,
+#: ``minillm deploy`` started from a cell (Ray Serve).
 FEATURES = {
     "serve": re.compile(r"""["']minillm["'],\s*["']serve["']|minillm serve"""),
     "constrained": re.compile(r"\bconstraint=|runtime\.constraint\b|response_format"),
+    "deploy": re.compile(r"""["']minillm["'],\s*["']deploy["']|minillm deploy"""),
 }
 
 

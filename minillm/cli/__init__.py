@@ -14,6 +14,7 @@
     minillm exercises check --dir my_units          # graded against the textbook, then inside SmolLM2
     minillm run --units my_units "The capital of France is"   # the request on your units
     minillm book --out build/book                   # the course book: the lessons as executed, a static site
+    minillm deploy MODEL --replicas 2               # the server as Ray Serve replicas (minillm/deploy, extra: deploy)
 
 Errors minillm raises on purpose (``MiniLLMError``) print as one clear message, no traceback
 (``--debug`` shows it), and exit with status 2.
@@ -34,6 +35,7 @@ from rich.table import Table
 from minillm.cli.book import add_book_command
 from minillm.cli.cache import add_cache_command, run_cache
 from minillm.cli.chat import run_conversation
+from minillm.cli.deploy import add_deploy_command
 from minillm.cli.exercises import add_exercises_command
 from minillm.cli.options import add_request_args, bare_verbosity
 from minillm.cli.request import run_request
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_command(sub)
     add_exercises_command(sub)
     add_book_command(sub)
+    add_deploy_command(sub)
     cal = sub.add_parser(
         "calibrate",
         help="measure this machine's rates (bandwidth, GEMM, disk) again; the diagnosis compares each phase with them",

@@ -112,6 +112,7 @@ def test_every_lesson_has_its_line_and_its_extras_on_the_map():
     assert extras["01_lifecycle"] == ["notebooks"]
     assert extras["04_prefill_vs_decode"] == ["notebooks", "reference"]  # transformers, the reference
     assert "serve" in extras["10_request_as_api_call"] and "constrained" in extras["16_the_samplers_controls"]
+    assert "deploy" in extras["18_from_one_server_to_a_fleet"]  # it starts `minillm deploy` (Ray Serve)
     assert extras["12_what_precision_costs"] == ["notebooks", "lessons"]  # llama.cpp's wheel: only `lessons`
 
 

@@ -42,7 +42,7 @@ def kind_of(argv) -> str:
     if "llama_server.py" in text or "llama-server" in text:
         return "llama.cpp"
     if "minillm" in words[1:3] or name == "minillm" or ("-m" in words and "minillm" in words):
-        return "server" if "serve" in words else "cli"
+        return "server" if "serve" in words else "deployment" if "deploy" in words else "cli"
     if name.startswith("python"):
         return "python"
     return "other"

@@ -1,0 +1,113 @@
+"""Prefix-aware routing: send a request to the replica holding the most of its prompt's prefix blocks.
+
+    the request's body        -> its prompt's ids (the model's tokenizer and chat template, as the
+                                 worker renders them) -> the block hash chain of the paged pool
+                                 (``model.paged_kv_cache.block_hashes``, under the replica's identity)
+    each replica's stats      -> the hashes its pool holds (``replica.record_routing_stats``), plus
+                                 the prompts this router sent it (its stats lag a period behind)
+    choose                    -> the replica with the longest run of held blocks from the start;
+                                 when replicas are imbalanced (their queues differ by more than
+                                 ``imbalanced_threshold``) or nothing matches: the least loaded
+    a request naming a replica  -> that replica (header ``x-minillm-replica``: the live page's
+                                 ``/ui?replica=ID`` follows one replica's events)
+
+Ray's default router picks the less loaded of two random replicas (power of two choices); it never
+looks at the prompt. Ray Serve LLM's ``PrefixCacheAffinityRouter`` keeps a tree of prompt *text*;
+this one reads the pool's own block hashes, so a match is a block the replica really holds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from minillm.model.paged_kv_cache import block_hashes
+
+
+class PrefixRouter(RequestRouter):
+    """A Ray Serve ``RequestRouter`` over minillm replicas (``request_router_kwargs``: ``model``,
+    ``imbalanced_threshold`` in queued requests)."""
+
+    def initialize_state(
+        self, model: str = "smollm2-135m-instruct", imbalanced_threshold: int = 8, block_size: int = 16
+    ):
+        from minillm.sources.plan_files import plan_folder
+        from minillm.text.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.from_folder(plan_folder(model))
+        self.imbalanced_threshold, self.block_size = imbalanced_threshold, block_size
+        self.sent: dict = defaultdict(set)  # replica id -> hashes routed to it since its stats came
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        """Ranks of replicas, best first: the one holding most of the prompt's prefix (when loads are
+        balanced), else the least loaded (between equals, the one holding fewest blocks, so a new
+        prefix goes where there is room); the rest after it. A request whose body has no prompt:
+        least loaded first. The first choice is remembered as holding the prompt's blocks."""
+        pinned = [r for r in candidate_replicas if r.replica_id.unique_id == asked_replica(pending_request)]
+        if pinned:  # a client following one replica (the live page's /ui?replica=ID)
+            return [pinned]
+        loads = {}
+        for replica, queue_len in await self._probe_queue_lens(candidate_replicas, 0):
+            loads[replica.replica_id] = queue_len if queue_len is not None else 10**6
+        by_load = sorted(candidate_replicas, key=lambda r: (loads.get(r.replica_id, 10**6), self.holding(r)))
+        ids = prompt_ids(self.tokenizer, pending_request)
+        if ids is None or not by_load:
+            return [by_load]
+        spread = max(loads.values(), default=0) - min(loads.values(), default=0)
+        held = {r.replica_id: self.matched(r, ids) for r in candidate_replicas}
+        best = max(held.values(), default=0)
+        if spread <= self.imbalanced_threshold and best > 0:
+            by_load.sort(key=lambda r: held[r.replica_id] != best)  # stable: by load among the best
+        self.sent[by_load[0].replica_id].update(h.hex() for h in block_hashes(ids, self.block_size))
+        return [by_load[:1], by_load[1:]]
+
+    def matched(self, replica: RunningReplica, ids: list[int]) -> int:
+        """How many of ``ids``' leading full blocks ``replica`` holds: in its pool (its stats, hashed
+        under its identity) or sent to it by this router since (hashed under no identity)."""
+        stats = replica.routing_stats or {}
+        size = stats.get("block_size", self.block_size)
+        pooled = set(stats.get("blocks", ()))
+        ours = block_hashes(ids, size, identity=bytes.fromhex(stats["identity"])) if "identity" in stats else []
+        sent = block_hashes(ids, size)
+        n = 0
+        while n < len(sent) and (
+            (n < len(ours) and ours[n].hex() in pooled) or sent[n].hex() in self.sent[replica.replica_id]
+        ):
+            n += 1
+        return n
+
+    def holding(self, replica: RunningReplica) -> int:
+        """How many block hashes ``replica`` holds (its stats, and sent to it since)."""
+        stats = replica.routing_stats or {}
+        return len(set(stats.get("blocks", ())) | self.sent[replica.replica_id])
+
+
+def asked_replica(pending_request: PendingRequest | None) -> str | None:
+    """The replica id a relayed request names in its ``x-minillm-replica`` header, or None."""
+    if pending_request is None or not pending_request.args or not isinstance(pending_request.args[0], dict):
+        return None
+    headers = dict(pending_request.args[0].get("headers") or [])
+    value = headers.get(b"x-minillm-replica")
+    return value.decode("latin-1") if value else None
+
+
+def prompt_ids(tokenizer, pending_request: PendingRequest | None) -> list[int] | None:
+    """The prompt's token ids of a relayed request (``args``: the ASGI scope and the JSON body), as
+    the worker tokenizes them: the chat template over ``messages``, or ``prompt`` with special
+    tokens; None when the request carries no readable prompt."""
+    if pending_request is None or len(pending_request.args) < 2 or not isinstance(pending_request.args[1], bytes):
+        return None
+    try:
+        body = json.loads(pending_request.args[1])
+        if isinstance(body.get("messages"), list):
+            text = tokenizer.apply_chat_template(body["messages"])
+            return list(tokenizer.encode(text, add_special_tokens=False))
+        if isinstance(body.get("prompt"), str):
+            return list(tokenizer.encode(body["prompt"], add_special_tokens=True))
+    except Exception:  # noqa: BLE001 - a body the app will refuse (400) is routed by load alone
+        return None
+    return None
