@@ -23,7 +23,7 @@ from minillm.errors import InvalidConstraintError
 
 from . import logprobs as lp
 from . import protocol as p
-from .jobs import Job, Outcome
+from .jobs import Job, Outcome, TextDelta
 from .reliability import MiniLLMBug
 
 FINISH_REASON = {
@@ -178,7 +178,7 @@ async def sse(job: Job, first, body, served_model: str, chat: bool, watcher: asy
     def chunk(delta: str | None = None, role: str | None = None, outcome: Outcome | None = None):
         finish = FINISH_REASON[outcome.stop_reason] if outcome else None
         reason = outcome.stop_reason.value if outcome else None
-        mine = getattr(delta, "logprobs", None)  # this delta's tokens' entries (a TextDelta)
+        mine = delta.logprobs if isinstance(delta, TextDelta) else None  # this delta's tokens' entries
         if outcome is not None and outcome.logprobs is not None:
             mine = outcome.logprobs[sent["entries"] :] or None  # those that came with no text (if any)
         start = sent["chars"]
