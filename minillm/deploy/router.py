@@ -4,7 +4,9 @@
                                  worker renders them) -> the block hash chain of the paged pool
                                  (``model.paged_kv_cache.block_hashes``, under the replica's identity)
     each replica's stats      -> the hashes its pool holds (``replica.record_routing_stats``), plus
-                                 the prompts this router sent it (its stats lag a period behind)
+                                 every prompt this router ever sent it (its stats lag a period
+                                 behind; kept after the pool evicts them, so a prefix sticks to
+                                 its replica, which computes it again)
     choose                    -> the replica with the longest run of held blocks from the start;
                                  when replicas are imbalanced (their queues differ by more than
                                  ``imbalanced_threshold``) or nothing matches: the least loaded
@@ -38,7 +40,7 @@ class PrefixRouter(RequestRouter):
 
         self.tokenizer = Tokenizer.from_folder(plan_folder(model))
         self.imbalanced_threshold, self.block_size = imbalanced_threshold, block_size
-        self.sent: dict = defaultdict(set)  # replica id -> hashes routed to it since its stats came
+        self.sent: dict = defaultdict(set)  # replica id -> hashes ever routed to it (never dropped: affinity)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -67,7 +69,7 @@ class PrefixRouter(RequestRouter):
 
     def matched(self, replica: RunningReplica, ids: list[int]) -> int:
         """How many of ``ids``' leading full blocks ``replica`` holds: in its pool (its stats, hashed
-        under its identity) or sent to it by this router since (hashed under no identity)."""
+        under its identity) or ever sent to it by this router (hashed under no identity)."""
         stats = replica.routing_stats or {}
         size = stats.get("block_size", self.block_size)
         pooled = set(stats.get("blocks", ()))
@@ -81,7 +83,7 @@ class PrefixRouter(RequestRouter):
         return n
 
     def holding(self, replica: RunningReplica) -> int:
-        """How many block hashes ``replica`` holds (its stats, and sent to it since)."""
+        """How many block hashes ``replica`` holds (its stats, and all this router sent it)."""
         stats = replica.routing_stats or {}
         return len(set(stats.get("blocks", ())) | self.sent[replica.replica_id])
 
