@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf_reference_loader
 import numpy as np
 import pytest
 from helpers import release_memory
@@ -236,61 +237,12 @@ def test_tiny_gemma3_gguf_imports_and_runs_like_transformers(tmp_path):
 
 
 # --- the files (first: no model is loaded yet, see the fixtures' memory note) ----------------------------
-# transformers reads the GGUF with its own loader in a subprocess: dequantizing the 4-bit blocks it
-# peaks at 2.63 GB on its own (measured with /usr/bin/time -f %M), which this process need not add
-# to what it holds.
-GGUF_LOADER = """
-import ctypes, gc, json, sys
-from pathlib import Path
-
-import numpy as np, torch
-from transformers import AutoModelForCausalLM
-
-gguf, ours_file = Path(sys.argv[1]), sys.argv[2]
-ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-ref_sd = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
-gc.collect()
-ctypes.CDLL("libc.so.6").malloc_trim(0)  # the loader's dequantization buffers go back before we compare
-# Our file read in chunks with plain reads (an mmap would leave every page it touched in this
-# process's RSS): the safetensors layout is 8 bytes of header length, a JSON header, then the data.
-CHUNK = 1 << 22  # values per comparison (the embedding alone is 168M): no second whole copy of a tensor
-with open(ours_file, "rb") as f:
-    n = int.from_bytes(f.read(8), "little")
-    header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
-    unequal = []
-    for name, want in ref_sd.items():
-        t = header["model.embed_tokens.weight" if name == "lm_head.weight" else name]
-        same = t["dtype"] == "F32" and t["shape"] == list(want.shape)
-        flat, begin = want.reshape(-1), 8 + n + t["data_offsets"][0]
-        for start in range(0, flat.size, CHUNK) if same else ():
-            f.seek(begin + 4 * start)
-            got = np.fromfile(f, dtype="<f4", count=min(CHUNK, flat.size - start))
-            same = same and np.array_equal(got, flat[start : start + CHUNK])
-        if not same:
-            unequal.append([name, t["dtype"], t["shape"], list(want.shape)])
-ours_keys = sorted(header)
-c = ref.config
-fields = ("layer_types", "sliding_window", "query_pre_attn_scalar", "head_dim", "vocab_size",
-          "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "rms_norm_eps")
-print(json.dumps({"ref_keys": sorted(ref_sd), "ours_keys": ours_keys, "unequal": unequal,
-                  "config": {f: getattr(c, f) for f in fields} | {"rope_parameters": c.rope_parameters}}))
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.reference
 def test_weights_match_transformers_gguf_loader(gemma3_folder, gemma3_gguf):
     """transformers reads the GGUF with its own code (names, `- 1` on norms, config defaults);
     every tensor (bit for bit) and the shape-setting config fields must equal ours."""
-    ours = gemma3_folder / "model.safetensors"
-    # A fixed mmap threshold (glibc, mallopt(3)): every buffer over 1 MiB is its own mapping, returned
-    # when freed. With glibc's sliding threshold a freed 671 MB dequantized embedding sometimes stayed
-    # in the heap: the loader peaked at 3.28 GB in 1 of 3 runs, 2.63 GB in 3 of 3 with the fixed one.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    proc = subprocess.run([sys.executable, "-c", GGUF_LOADER, str(gemma3_gguf), str(ours)], capture_output=True,
-                          text=True, timeout=900, env=env)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ref = json.loads(proc.stdout.strip().splitlines()[-1])
+    ref = gguf_reference_loader.run(gemma3_gguf, gemma3_folder / "model.safetensors")  # its own process: see there
     assert set(ref["ref_keys"]) - {"lm_head.weight"} == set(ref["ours_keys"])  # tied: no lm_head in our file
     assert ref["unequal"] == []  # [name, our dtype, our shape, theirs] of each tensor not float32 and equal
     cfg = json.loads((gemma3_folder / "config.json").read_text())
