@@ -224,12 +224,6 @@ class ConstraintState:
         return run
 
 
-def forced_logprobs(token: int) -> dict:
-    """A forced token's logprobs entry (as ``sampling.model_logprobs``): the grammar left no choice, and no
-    logits were computed for it (it is fed with the token before it)."""
-    return {"id": int(token), "logprob": 0.0, "top": [(int(token), 0.0)], "sampled_logprob": 0.0}
-
-
 def incomplete(state: ConstraintState | None, reason, max_new_tokens: int, cut_text: str | None = None) -> str | None:
     """Why a constrained output is not a whole document (None when it is, or without a constraint).
 

@@ -19,6 +19,7 @@ from minillm.runtime.request_checks import check_arguments, check_kv_dtype, chec
 from minillm.runtime.result import GenerationResult, RequestMetrics  # noqa: F401 (re-exported)
 from minillm.runtime.sampling import SamplingParams
 from minillm.runtime.speculative import Speculative, SpeculativeDecoder
+from minillm.runtime.steps import shared_prefix
 from minillm.runtime.stopping import (
     OutputStream,
     StopCriteria,
@@ -28,16 +29,6 @@ from minillm.runtime.stopping import (
     validate_stop_token_ids,
 )
 from minillm.text.detokenize import IncrementalDetokenizer
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """The number of leading ids ``a`` and ``b`` have in common."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Request:
@@ -93,21 +84,8 @@ class Request:
 
     #: the keyword options a request takes (``generate.stream`` passes them through)
     OPTIONS = frozenset(
-        {
-            "max_new_tokens",
-            "chat",
-            "rng",
-            "max_seq_len",
-            "cache",
-            "kv_dtype",
-            "stop",
-            "stop_token_ids",
-            "include_stop_string",
-            "timeout_s",
-            "cancel",
-            "constraint",
-            "speculative",
-        }
+        "max_new_tokens chat rng max_seq_len cache kv_dtype stop stop_token_ids include_stop_string timeout_s "
+        "cancel constraint speculative".split()
     )
 
     def __init__(
@@ -150,6 +128,7 @@ class Request:
         check_logit_bias(model, self.params)
         self.logprobs: list[dict] | None = None if self.params.top_logprobs is None else []
         self.constraint = None if constraint is None else constraint_module.ConstraintState(model, constraint)
+        self.queued: list[int] = []  # with logprobs: the rest of a forced run, taken one a step (take)
         self.rng = rng if rng is not None else np.random.default_rng(self.params.seed)
         self.t0 = time.perf_counter()
         self.metrics = RequestMetrics()
@@ -227,38 +206,45 @@ class Request:
         """Sample the next token from ``logits`` ``[vocab]`` and pass it through the stop chain;
         yield the text it releases (often nothing). ``step_t0``: when this step's forward began.
         With a constraint, the grammar's mask applies, and a run of tokens the grammar forces
-        follows the sampled one (fed together at the next step, see :meth:`pending`)."""
-        allowed = self.constraint.allowed() if self.constraint is not None else None
-        args = (logits, self.params, self.rng, self.seen, self.new_ids, allowed)
-        if self.listener is None and self.logprobs is None:
-            token, probs = sampling.sample(*args), None
-        else:  # the trace (and logprobs) show the distribution the token was drawn from
-            token, probs = sampling.sample_with_probs(*args)
+        follows the sampled one, fed together at the next step (see :meth:`pending`). When logprobs
+        are asked the run is ``queued`` instead and taken one id a step, so that each has the model's
+        own logprob, from the logits of the id before it (the same ids, one pass each)."""
+        if queued := bool(self.queued):  # the grammar left no choice: what the sampler drew from is one-hot
+            token, allowed, probs = self.queued.pop(0), None, np.zeros(logits.shape[-1], np.float32)
+            probs[token] = 1.0
+        else:
+            allowed = self.constraint.allowed() if self.constraint is not None else None
+            args = (logits, self.params, self.rng, self.seen, self.new_ids, allowed)
+            if self.listener is None and self.logprobs is None:
+                token, probs = sampling.sample(*args), None
+            else:  # the trace (and logprobs) show the distribution the token was drawn from
+                token, probs = sampling.sample_with_probs(*args)
         now = time.perf_counter()
         if self.new_ids:  # a decode step's token
             self.metrics.decode_step_s.append(now - step_t0)
-            yield from self.push(token, probs, step_t0, now=now, allowed=allowed, logits=logits)
+            yield from self.push(token, probs, step_t0, now=now, allowed=allowed, logits=logits, queued=queued)
             return
         self.metrics.ttft_s = now - self.t0  # the prefill's token: TTFT ends here
         n = len(self.prompt_ids) - self.reused  # the ids prefill fed
-        delta, _ = self._add(token, probs, now, allowed, logits)
+        delta, _ = self._add(token, probs, now, allowed, logits, queued=False)
         facts = dict(tokens=n, offset=self.cache.length - n, cache_length=self.cache.length, probs=probs, token=token)
         self.emit("prefill", step_t0, self.metrics.prefill_s, **facts)
         yield from self._show(delta)
 
     def push(self, token: int, probs, step_t0: float, *, cache_length=None, step_s=None, now=None, allowed=None,
-             logits=None):  # fmt: skip
+             logits=None, queued=False):  # fmt: skip
         """Pass a chosen ``token`` through the stop chain (``take`` samples one; ``speculative_step.settle``
         pushes an accepted run); yield the text it releases. ``cache_length``: the positions before it
         (default the cache's length); ``step_s``: its share of the step's time; ``allowed``: the
         constraint's mask the token was drawn under (None without a constraint); ``logits``: the model's
-        raw ``[vocab]`` it was drawn from (the logprobs'; None when nobody asked for them)."""
+        raw ``[vocab]`` it was drawn from (the logprobs'; None when nobody asked for them); ``queued``: the
+        token is a forced run's, which the grammar's matcher consumed with the run (:meth:`take`)."""
         now = time.perf_counter() if now is None else now
         if step_s is not None:
             self.metrics.decode_step_s.append(step_s)
         cache_length = self.cache.length if cache_length is None else cache_length
         fed = self.seen[-1]  # the token this step fed in
-        delta, forced = self._add(token, probs, now, allowed, logits)
+        delta, forced = self._add(token, probs, now, allowed, logits, queued)
         self.emit(
             "decode",
             step_t0,
@@ -274,10 +260,13 @@ class Request:
         )
         yield from self._show(delta)
 
-    def _add(self, token: int, probs, now: float, allowed, logits=None) -> tuple[str, list[int]]:
+    def _add(self, token: int, probs, now: float, allowed, logits, queued) -> tuple[str, list[int]]:
         """A chosen token, then the run the constraint forces after it (a stop may cut it): text, forced ids."""
         delta = self._append(token, probs, logits)
-        forced = self.constraint.advance(token) if self.constraint is not None and self.stop_reason is None else []
+        done = self.constraint is None or self.stop_reason is not None or queued
+        forced = [] if done else self.constraint.advance(token)
+        if self.logprobs is not None and not queued:  # each forced id waits for the pass giving its logprob
+            self.queued, forced = forced, []
         kept = 0
         for f in forced:  # the grammar's only way on: no sampling, probability 1
             if self.stop_reason is None:
@@ -285,7 +274,8 @@ class Request:
         if kept < len(forced):  # a stop cut the run: the matcher goes back to where the ids end
             self.constraint.rollback(len(forced) - kept)
         if allowed is not None:
-            self.emit("mask", now, self.constraint.mask_s, allowed=allowed, token=token, forced=forced[:kept])
+            run = forced[:kept] or self.queued
+            self.emit("mask", now, self.constraint.mask_s, allowed=allowed, token=token, forced=run)
         return delta, forced[:kept]
 
     def _append(self, token: int, probs: np.ndarray | None, logits: np.ndarray | None = None) -> str:
@@ -293,11 +283,7 @@ class Request:
         from), the stop criteria and the stop chain; the text it releases."""
         if self.logprobs is not None:
             top = self.params.top_logprobs
-            self.logprobs.append(
-                sampling.model_logprobs(logits, token, top, probs)
-                if logits is not None
-                else constraint_module.forced_logprobs(token)
-            )
+            self.logprobs.append(sampling.model_logprobs(logits, token, top, probs))
         self.new_ids.append(token)
         self.seen.append(token)
         # room left once this token is part of the sequence (it would be fed at cache.length)
@@ -311,7 +297,8 @@ class Request:
         return delta
 
     def pending(self) -> list[int]:
-        """The ids not yet in the cache: the last sampled one, then any forced run (fed as one chunk)."""
+        """The ids not yet in the cache: the last sampled one, then any forced run (fed as one chunk; with
+        logprobs a run is ``queued`` instead, see :meth:`take`)."""
         return self.seen[self.cache.length :]
 
     def _show(self, delta: str):
@@ -352,6 +339,9 @@ class Request:
     def finish(self) -> GenerationResult:
         """Name the condition that fired, tell the listener (stop, summary), return the result."""
         reason = self.stop_reason
+        if self.queued:  # a stop cut a queued forced run: the matcher goes back to where the ids end
+            self.constraint.rollback(len(self.queued))
+            self.queued = []
         if self.output.stop_reason is not None:
             self.condition = self.output.condition
         elif reason is StopReason.CANCELLED and self.condition is None:

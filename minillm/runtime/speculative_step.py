@@ -26,12 +26,12 @@ def propose(request: Request, limit: int | None = None) -> Proposal:
     """The drafts ``request`` verifies in its next pass: at most its decoder's ``k``, one fewer than the
     tokens it may still add and than its cache's free positions (with ``last``), and ``limit - 1``
     (``limit``: a batch step's token budget). None without a decoder, or while a constraint's forced run
-    waits to be fed.
+    waits to be fed (or, with logprobs, to be taken one id a step: ``request.queued``).
 
     Raises:
         InvalidRequestError: the draft proposed ids outside the model's vocabulary.
     """
-    if request.drafter is None or (request.constraint is not None and len(request.pending()) != 1):
+    if request.drafter is None or request.queued or (request.constraint is not None and len(request.pending()) != 1):
         return NO_DRAFTS
     most = min(request.max_new_tokens - len(request.new_ids), request.cache.free_positions) - 1
     if limit is not None:

@@ -174,3 +174,13 @@ def sample(
 def detokenize(model: Model, ids, *, skip_special_tokens: bool = True) -> str:
     """Token ids -> text with the model's tokenizer (special tokens hidden by default)."""
     return _detokenize(model.tokenizer, ids, skip_special_tokens=skip_special_tokens)
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """The number of leading ids ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

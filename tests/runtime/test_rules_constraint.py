@@ -12,8 +12,10 @@ model cache (no weights read): llguidance needs a real byte-level vocabulary. Un
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
+import numpy as np
 import pytest
 from tiny_models import tiny_model
 
@@ -90,3 +92,40 @@ def test_a_cut_inside_a_forced_run_is_reported_from_the_text(model, options, tex
         else:
             assert r.stop_reason is reason
             assert r.incomplete is not None and f"stopped ({reason.value}) before its regex" in r.incomplete
+
+
+# --- logprobs of a forced run (issue 47: the model's own, never a 0.0 with no alternatives) ---------------
+def log_softmax(rows: np.ndarray) -> np.ndarray:
+    z = rows.astype(np.float64) - rows.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"max_new_tokens": 9}, {"max_new_tokens": 2}, {"max_new_tokens": 9, "stop": ["wor"]}],
+    ids=["whole", "max_tokens-inside-the-run", "stop-string-inside-the-run"],
+)
+@pytest.mark.parametrize("path", ["generate", "generate_batch"])
+def test_a_forced_runs_logprobs_are_the_models_own_and_its_ids_unchanged(model, options, path):
+    """With logprobs asked, the grammar's forced run (" wonderful world") is taken one id a pass, so each id
+    has the model's own log-probability from the logits of the id before it, and ``n`` alternatives; the
+    ids, the text and the reasons are those of the same request without logprobs (fed as one chunk).
+    Before: each forced id reported logprob 0.0 with itself as its only alternative."""
+
+    def run(p: SamplingParams):
+        if path == "generate":
+            return minillm.generate(model, "Say hi", p, constraint=LONG_RUN, **options)
+        return minillm.generate_batch(model, ["Say hi"], p, constraint=LONG_RUN, **options)[0]
+
+    plain, asked = run(params(model)), run(dataclasses.replace(params(model), top_logprobs=3))
+    assert (asked.ids, asked.text, asked.stop_reason, asked.incomplete) == (
+        plain.ids, plain.text, plain.stop_reason, plain.incomplete)  # fmt: skip
+    assert len(plain.ids) >= 2 and [e["id"] for e in asked.logprobs] == asked.ids
+    logits = model.transformer.forward(np.asarray(asked.prompt_ids + asked.ids[:-1]))  # [seq, vocab]
+    want = log_softmax(logits[len(asked.prompt_ids) - 1 :])  # row j: before new id j
+    for j, (entry, row) in enumerate(zip(asked.logprobs, want, strict=True)):
+        assert abs(entry["logprob"] - row[entry["id"]]) < 1e-4, j
+        assert [i for i, _ in entry["top"]] == np.argsort(-row, kind="stable")[:3].tolist(), j
+        np.testing.assert_allclose([v for _, v in entry["top"]], np.sort(row)[::-1][:3], atol=1e-4)
+    forced = asked.logprobs[1:]  # every id after "hello": the grammar left no choice
+    assert forced and all(e["sampled_logprob"] == 0.0 and e["logprob"] < -1e-3 for e in forced)

@@ -8,6 +8,8 @@ ids gives the logits at every position; ``log_softmax`` of each row (float64) is
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from servers import MODEL, running_server
@@ -113,6 +115,38 @@ def test_legacy_logprobs_are_the_models_own_whatever_the_sampler_keeps(client, s
     for d, row in zip(tops, ref, strict=True):
         assert len(d) == 5  # five alternatives, though top_k=2 or top_p=0.2 kept fewer
         np.testing.assert_allclose(sorted(d.values(), reverse=True), np.sort(row)[::-1][:5], atol=TOL)
+
+
+# --- structured output: the grammar's forced tokens have the model's logprobs too --------------------------
+CITY = {"type": "object", "properties": {"capital_city_of_france": {"type": "string"}},
+        "required": ["capital_city_of_france"], "additionalProperties": False}  # fmt: skip
+
+
+def test_a_forced_keys_tokens_have_the_models_own_logprobs(client, smollm2, id_of):
+    """Under a JSON schema the grammar forces the key's tokens; with logprobs they are taken one a pass
+    (minillm/runtime/request.py, ``take``), so each has 20 alternatives and the model's own logprob, and
+    the answer is the one given without logprobs. Before: the forced tokens came with logprob 0.0 and
+    one alternative."""
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    body = dict(model=MODEL, messages=messages, max_tokens=30, temperature=0, response_format=fmt)
+    plain = client.chat.completions.create(**body).choices[0].message.content
+    asked = client.chat.completions.create(**body, logprobs=True, top_logprobs=20).choices[0]
+    assert asked.message.content == plain and "capital_city_of_france" in json.loads(plain)
+    content = asked.logprobs.content
+    assert joined(content).decode() == plain
+    check_chat_entries(smollm2, id_of, messages, content, 20)
+    # the key's tokens (forced: no choice) are there, and the model did not give them probability 1
+    key = [e for e in content if e.token.strip('"_ ') and e.token.strip('"_ ') in "capital_city_of_france"]
+    assert len(key) >= 3 and min(e.logprob for e in key) < -1e-3
+    chunks = list(client.chat.completions.create(**body, logprobs=True, top_logprobs=20, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert joined(streamed) == joined(content)
+    check_chat_entries(smollm2, id_of, messages, streamed, 20)
+
+
+def joined(entries) -> bytes:
+    return b"".join(bytes(e.bytes) for e in entries)
 
 
 # --- streamed: each chunk carries its own tokens' logprobs, as OpenAI sends them --------------------------

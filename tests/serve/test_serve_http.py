@@ -22,7 +22,7 @@ import json
 
 import httpx
 import pytest
-from helpers import stepped_worker
+from helpers import stepped_registry, stepped_worker
 from scripted import chain_model, word_tokenizer_folder
 from servers import counts
 
@@ -41,9 +41,21 @@ def model(tmp_path_factory):
     return chain_model(tok, ["model", *ANSWER], end=1)  # 1: <eos>
 
 
-def served(model, **options):
-    worker = stepped_worker(model, served_name=NAME, **options)
-    return worker, create_app(worker)
+@pytest.fixture(params=["one", "several"])
+def kind_of_server(request) -> str:
+    """The one-model server (a Worker), or several models behind one (a registry of two, issue 47): the same
+    HTTP layer must hold in front of either."""
+    return request.param
+
+
+def served(model, kind_of_server: str, **options):
+    """The app in front of one Worker, or of a registry whose slot ``NAME`` (and a twin) serve ``model``;
+    returns what the test steps (the Worker, or the slot) and the app."""
+    if kind_of_server == "one":
+        worker = stepped_worker(model, served_name=NAME, **options)
+        return worker, create_app(worker)
+    registry = stepped_registry({NAME: model, f"{NAME}-twin": model}, **options)
+    return registry.slots[NAME], create_app(registry)
 
 
 async def call(app, worker, path: str, body: dict, max_steps: int = 500) -> httpx.Response:
@@ -81,9 +93,9 @@ KINDS = {  # stop kind: (request fields, finish_reason, minillm_stop_reason, tex
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_streamed_finish_reason_and_usage_equal_the_unstreamed_ones(model, kind, chat):
+def test_streamed_finish_reason_and_usage_equal_the_unstreamed_ones(model, kind_of_server, kind, chat):
     fields, finish, reason, text, n_completion = KINDS[kind]
-    worker, app = served(model)
+    worker, app = served(model, kind_of_server)
     path, body = body_of(chat, temperature=0, **fields)
     whole = asyncio.run(call(app, worker, path, body))
     assert whole.status_code == 200, whole.text
@@ -106,12 +118,12 @@ def test_streamed_finish_reason_and_usage_equal_the_unstreamed_ones(model, kind,
     assert all(c["usage"] is None for c in events[:-1])
 
 
-def test_a_non_streaming_client_that_disconnects_is_cancelled(model):
+def test_a_non_streaming_client_that_disconnects_is_cancelled(model, kind_of_server):
     """The app called as an ASGI server would: the body, then the connection closes after the
     worker's third step (three tokens sampled, of up to 200). The next step ends the request
     cancelled; its blocks are back in the pool; it is counted once, as cancelled; no step runs
     after it."""
-    worker, app = served(model)
+    worker, app = served(model, kind_of_server)
     body = json.dumps({"model": NAME, "prompt": "model", "max_tokens": 200, "temperature": 0}).encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
@@ -162,12 +174,12 @@ def test_a_non_streaming_client_that_disconnects_is_cancelled(model):
     assert trace["stop_reason"] == "cancelled"
 
 
-def test_max_queue_lets_exactly_n_wait_and_refuses_the_next_with_429(model):
+def test_max_queue_lets_exactly_n_wait_and_refuses_the_next_with_429(model, kind_of_server):
     """max_queue 3, one running at a time. One request runs; three wait (two of them moved into
     the scheduler's queue by a step: still waiting); the fifth gets 429 in OpenAI's error shape
     with Retry-After, counted as rejected. When the first ends one of the three runs: two wait,
     and a new request is accepted. Every accepted request is answered in full."""
-    worker, app = served(model, max_queue=3, max_num_seqs=1)
+    worker, app = served(model, kind_of_server, max_queue=3, max_num_seqs=1)
     path, body = body_of(False, max_tokens=4, temperature=0)
 
     async def scenario():
@@ -230,10 +242,10 @@ def test_max_queue_lets_exactly_n_wait_and_refuses_the_next_with_429(model):
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
-def test_the_prompt_is_rendered_and_tokenized_once_per_request(model, monkeypatch, chat):
+def test_the_prompt_is_rendered_and_tokenized_once_per_request(model, kind_of_server, monkeypatch, chat):
     """The worker sizes the request with the prompt's ids and hands them to it (``prepared=``):
     one encode per request, and the request's trace and usage count the same ids."""
-    worker, app = served(model)
+    worker, app = served(model, kind_of_server)
     encode, calls = model.tokenizer.encode, []
     monkeypatch.setattr(model.tokenizer, "encode", lambda *a, **k: calls.append(a) or encode(*a, **k))
     path, body = body_of(chat, temperature=0, max_tokens=3)

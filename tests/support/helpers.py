@@ -69,6 +69,29 @@ def stepped_worker(model, **options):
     return worker
 
 
+def stepped_registry(models: dict, **options):
+    """A several-model server's registry (``ModelRegistry``) over in-memory ``models`` (served name ->
+    model), every slot loaded, no thread: a slot steps by hand as a stepped Worker does
+    (``slot.serve_once()``). ``options``: the Worker arguments every slot shares."""
+    from minillm.runtime.memory_plan import make_plan
+    from minillm.serve.metrics import ServerMetrics
+    from minillm.serve.models import ModelRegistry, ModelSlot, ModelSpec
+
+    options = {"kv_cache_mib": 16.0, "warmup": False, **options}
+    specs = [ModelSpec(name, name, "float32") for name in models]
+    registry = ModelRegistry(specs, metrics=ServerMetrics(), kv_cache_mib=options["kv_cache_mib"],
+                             **{k: v for k, v in options.items() if k != "kv_cache_mib"})  # fmt: skip
+    for spec, model in zip(specs, models.values(), strict=True):
+        plan = make_plan(model.config, model=spec.served, kv_cache_mib=options["kv_cache_mib"])
+        slot = ModelSlot(spec, plan, on_submit=registry.wake, metrics=registry.metrics, guard=registry.guard,
+                         events=registry.events, **options)  # fmt: skip
+        slot.attach(model)
+        slot.state = "loaded"  # what the registry's thread sets after ``slot.load``
+        registry.slots[spec.served] = slot
+    registry.status = "ready"
+    return registry
+
+
 def job(prompt, *, chat=False, max_tokens=8, stop=None, top_logprobs=None, params=None, request_id="r"):
     """A worker Job whose answers land in its ``Inbox`` (``job.channel``)."""
     import minillm

@@ -72,7 +72,7 @@ class ScriptedTransformer:
         self.delay_s = delay_s
         self.interrupt_at = interrupt_at
         self.calls = 0  # forward calls in the current request
-        self.weights = SimpleNamespace(num_parameters=0)  # no real weights: the memory table shows 0
+        self.weights = SimpleNamespace(num_parameters=0, nbytes=0)  # no real weights: the memory table shows 0
         self.positions = PositionTables(config)  # as Transformer: its masks are the real ones
         self.layer_types = self.positions.layer_types
         self.fed: list[list[int]] = []  # what each forward call was given
@@ -130,7 +130,7 @@ class ChainTransformer:
 
     def __init__(self, config: ModelConfig, chain: dict[int, int], filler: int):
         self.config, self.chain, self.filler = config, dict(chain), filler
-        self.weights = SimpleNamespace(num_parameters=0, layers=[], weight_dtype="float32")  # kv_identity reads these
+        self.weights = SimpleNamespace(num_parameters=0, nbytes=0, layers=[], weight_dtype="float32")  # kv_identity reads these
         self.layer_types = [config.layer_type(i) for i in range(config.num_hidden_layers)]
         self.positions = PositionTables(config)  # what Transformer.masks reads (the trace draws them)
 
