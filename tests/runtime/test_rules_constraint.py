@@ -105,7 +105,7 @@ def log_softmax(rows: np.ndarray) -> np.ndarray:
     [{"max_new_tokens": 9}, {"max_new_tokens": 2}, {"max_new_tokens": 9, "stop": ["wor"]}],
     ids=["whole", "max_tokens-inside-the-run", "stop-string-inside-the-run"],
 )
-@pytest.mark.parametrize("path", ["generate", "generate_batch"])
+@pytest.mark.parametrize("path", ["generate", "generate_batch", "speculative"])
 def test_a_forced_runs_logprobs_are_the_models_own_and_its_ids_unchanged(model, options, path):
     """With logprobs asked, the grammar's forced run (" wonderful world") is taken one id a pass, so each id
     has the model's own log-probability from the logits of the id before it, and ``n`` alternatives; the
@@ -113,6 +113,9 @@ def test_a_forced_runs_logprobs_are_the_models_own_and_its_ids_unchanged(model, 
     Before: each forced id reported logprob 0.0 with itself as its only alternative."""
 
     def run(p: SamplingParams):
+        if path == "speculative":  # the prompt's n-grams would draft the run: no drafts while it is taken
+            prompt = "hello wonderful world, hello wonderful world, hello wonderful world"
+            return minillm.generate(model, prompt, p, constraint=LONG_RUN, speculative="ngram", **options)
         if path == "generate":
             return minillm.generate(model, "Say hi", p, constraint=LONG_RUN, **options)
         return minillm.generate_batch(model, ["Say hi"], p, constraint=LONG_RUN, **options)[0]
