@@ -37,6 +37,13 @@ def add_deploy_command(sub) -> None:
     d.add_argument("--port", type=int, default=8000, help="the one address's port (default: %(default)s)")
     d.add_argument("--threads", type=int, default=None, metavar="T", help="BLAS threads per replica")
     d.add_argument("--weight-dtype", default="float32", help="float32 | bfloat16 | int8 (default: %(default)s)")
+    d.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="FOLDER",
+        help="a PEFT LoRA adapter folder every replica merges into its weights at load (repeatable)",
+    )
     d.add_argument("--memory-budget", default=None, metavar="SIZE", help="bytes one replica may use, e.g. 2GiB")
     d.add_argument("--kv-cache-mib", type=float, default=64.0, help="each replica's paged pool (default: %(default)s)")
     d.add_argument("--router", choices=("prefix", "default"), default="prefix", help="prefix-aware or Ray's default")
@@ -64,6 +71,7 @@ def settings_of(args: argparse.Namespace) -> dict:
         "router": args.router,
         "api_keys": list(args.api_key),
         "observer_keys": list(args.observer_key),
+        "adapters": list(args.adapter),
     }
 
 
@@ -87,8 +95,9 @@ def run_deploy(args: argparse.Namespace) -> int:
     except MiniLLMError as exc:
         err.print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}")
         return 2
+    adapters = "".join(f", adapter {Path(folder).name}" for folder in config.adapters)
     console.print(
-        f"minillm deploy: {config.model} ({config.weight_dtype}), {format_bytes(plan.total)} per replica, "
+        f"minillm deploy: {config.model} ({config.weight_dtype}{adapters}), {format_bytes(plan.total)} per replica, "
         f"up to {config.most_replicas} replicas, router {config.router}"
     )
     return _run(config, args, console)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from minillm.errors import InvalidRequestError, MemoryBudgetError
+from minillm.errors import AdapterError, InvalidRequestError, MemoryBudgetError
 from minillm.runtime.loading import WEIGHT_DTYPES
 from minillm.runtime.memory_plan import MIB, MemoryPlan, format_bytes, make_plan, parse_size
 
@@ -35,7 +35,9 @@ class DeployConfig:
     starting at ``replicas``. ``memory_budget``: bytes one replica may use (None: no limit).
     ``api_keys``/``observer_keys``: as ``minillm serve --api-key``/``--observer-key``.
     ``cpus_per_replica``: Ray's ``num_cpus`` for one replica (0 on a small machine: the BLAS
-    ``threads`` are what the replica really uses).
+    ``threads`` are what the replica really uses). ``adapters``: PEFT LoRA adapter folders every
+    replica merges into its weights at load (``minillm.load(adapters=...)``), made absolute here
+    (relative ones from the current folder): the replicas read them from other processes.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -58,6 +60,11 @@ class DeployConfig:
     upscale_delay_s: float = 2.0
     downscale_delay_s: float = 5.0
     shutdown_timeout_s: float = 60.0
+    adapters: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        folders = [self.adapters] if isinstance(self.adapters, str) else self.adapters  # one folder, unlisted
+        self.adapters = [str(Path(folder).expanduser().resolve()) for folder in folders]
 
     @classmethod
     def from_args(cls, args: dict) -> DeployConfig:
@@ -120,11 +127,14 @@ class DeployConfig:
 
         Raises:
             InvalidRequestError: replica counts or a dtype out of range; an unknown router.
+            AdapterError: an adapter folder that is missing, or holds no adapter_config.json or
+                adapter_model.safetensors (the message names the path and the fix).
             ModelNotFoundError: an unknown model (as ``minillm serve``).
             MemoryBudgetError: a budget smaller than one replica's plan, or more replicas than
                 ``available`` holds (the message gives the bytes and the most that fit).
         """
         self._check_counts()
+        self._check_adapters()
         plan = self.plan()
         most = self.most_replicas
         if available is None:
@@ -155,6 +165,17 @@ class DeployConfig:
         for ok, message in problems:
             if not ok:
                 raise InvalidRequestError(f"deploy config: {message}")
+
+    def _check_adapters(self) -> None:
+        """Each adapter folder as ``minillm.load`` would first read it (no tensor read: the shapes are
+        checked by each replica's load, which then fails and starts no traffic to it)."""
+        from minillm.model.lora import check_adapter_folder
+
+        for folder in self.adapters:
+            try:
+                check_adapter_folder(folder)
+            except AdapterError as exc:
+                raise AdapterError(f"deploy config: adapters: {exc}") from None
 
     def plan(self) -> MemoryPlan:
         """One replica's plan from the model's config and tokenizer (no weights read).

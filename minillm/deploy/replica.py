@@ -48,12 +48,14 @@ class ReplicaMetrics(ServerMetrics):
 
 
 class Tagged:
-    """An ASGI app's answers with ``x-minillm-replica`` and ``x-minillm-weight-dtype`` headers: which
-    replica answered, holding which weights (a client sees the fleet; a rolling update is visible)."""
+    """An ASGI app's answers with ``x-minillm-replica``, ``x-minillm-weight-dtype`` and ``x-minillm-adapters``
+    headers: which replica answered, holding which weights, with which LoRA adapters merged (their names,
+    comma-separated; ``none``): a client sees the fleet, and a rolling update is visible."""
 
-    def __init__(self, app, replica: str, weight_dtype: str):
+    def __init__(self, app, replica: str, weight_dtype: str, adapters: list[str] = ()):
         self.app = app
-        self.headers = [(b"x-minillm-replica", replica.encode()), (b"x-minillm-weight-dtype", weight_dtype.encode())]
+        self.headers = [(b"x-minillm-replica", replica.encode()), (b"x-minillm-weight-dtype", weight_dtype.encode()),
+                        (b"x-minillm-adapters", (",".join(adapters) or "none").encode())]  # fmt: skip
 
     async def __call__(self, scope, receive, send):
         async def tagged(message):
@@ -93,33 +95,37 @@ class MiniLLMReplica:
             console=console,
             events=EventBus(log=console.print),
             guard=Guard(metrics),
+            adapters=config.adapters,
         )
         t0 = time.perf_counter()
-        model = minillm.load(
-            config.model, weight_dtype=config.weight_dtype, threads=config.threads, warmup=False, progress=False
-        )
+        how = {"threads": config.threads, "warmup": False, "progress": False, "adapters": config.adapters or None}
+        model = minillm.load(config.model, weight_dtype=config.weight_dtype, **how)  # adapters merged at load
         self.worker.start(model)  # warms up through the pool on its thread, then serves
         while self.worker.status not in ("ready", "failed"):
             time.sleep(0.05)
         if self.worker.status == "failed":
             raise RuntimeError(f"replica {self.replica_id}: {self.worker.error}")
+        adapters = [a.name for a in model.adapters]
         self.load = {
             "replica": self.replica_id,
             "weight_dtype": config.weight_dtype,
+            "adapters": adapters,
             "phases_s": {**model.load_seconds, "warmup": model.warmup_s},
             "ready_after_s": time.perf_counter() - t0,
         }
         phases = ", ".join(f"{k} {v:.2f} s" for k, v in self.load["phases_s"].items())
-        print(f"minillm deploy: replica {self.replica_id} ({config.weight_dtype}): {phases}; ready (warmed)")
+        held = config.weight_dtype + "".join(f", adapter {name}" for name in adapters)
+        print(f"minillm deploy: replica {self.replica_id} ({held}): {phases}; ready (warmed)")
         self.identity = _identity_hex(self.worker)
         access = Access(keys=KeyRing(list(config.api_keys), list(config.observer_keys)))
-        self.asgi = Tagged(create_app(self.worker, access=access), self.replica_id, config.weight_dtype)
+        self.asgi = Tagged(create_app(self.worker, access=access), self.replica_id, config.weight_dtype, adapters)
 
     def __serve_build_asgi_app__(self):
         return self.asgi
 
     def load_report(self) -> dict:
-        """This replica's load: its id, weight dtype, each load phase's seconds and the seconds to ready."""
+        """This replica's load: its id, weight dtype, adapters' names, each load phase's seconds and the
+        seconds to ready."""
         return dict(self.load)
 
     def record_routing_stats(self) -> dict:

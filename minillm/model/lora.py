@@ -215,6 +215,24 @@ def read_adapter_config(folder: Path) -> dict:
     return cfg
 
 
+def check_adapter_folder(path: str | os.PathLike) -> tuple[dict, Path]:
+    """The folder's checked ``adapter_config.json`` (a dict) and its weights file's path, no tensor
+    read: what a server or a deployment checks before it loads anything.
+
+    Raises:
+        AdapterError: no such folder, no ``adapter_config.json`` or ``adapter_model.safetensors``,
+            or a config minillm does not run (as :func:`load_adapter`, which calls this first).
+    """
+    folder = Path(path).expanduser()
+    cfg = read_adapter_config(folder)
+    file = folder / WEIGHTS_FILE
+    if not file.is_file():
+        old = (folder / "adapter_model.bin").is_file()
+        hint = " (only adapter_model.bin, the pickle format: re-save with safe_serialization=True)" if old else ""
+        raise AdapterError(f"{file} is missing{hint}; save the adapter with PeftModel.save_pretrained.")
+    return cfg, file
+
+
 def load_adapter(
     path: str | os.PathLike, config: ModelConfig, weights: Weights, *, model_names: tuple[str, ...] = ()
 ) -> LoraAdapter:
@@ -234,15 +252,7 @@ def load_adapter(
     """
     t0 = time.perf_counter()
     folder = Path(path).expanduser()
-    cfg = read_adapter_config(folder)
-    file = folder / WEIGHTS_FILE
-    if not file.is_file():
-        hint = (
-            " (only adapter_model.bin, the pickle format: re-save with safe_serialization=True)"
-            if (folder / "adapter_model.bin").is_file()
-            else ""
-        )
-        raise AdapterError(f"{file} is missing{hint}; save the adapter with PeftModel.save_pretrained.")
+    cfg, file = check_adapter_folder(folder)
     try:
         tensors = read_safetensors_header(file)
     except WeightsError as exc:

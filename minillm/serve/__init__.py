@@ -48,6 +48,15 @@ def add_commands(sub) -> None:
         help="the name clients pass as `model` (default: MODEL as given), e.g. a short name for a local folder",
     )
     s.add_argument("--max-seq-len", type=int, default=None, metavar="N", help="cap on each request's KV cache")
+    s.add_argument(
+        "--adapter",
+        dest="adapters",
+        action="append",
+        default=[],
+        metavar="FOLDER",
+        help="a PEFT LoRA adapter folder merged into the weights at load (repeatable; one model only); "
+        "GET /v1/models names it",
+    )
     _add_engine_args(s)
     s.add_argument("--threads", type=int, default=None, metavar="N", help="BLAS threads (default: all cores)")
     s.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")

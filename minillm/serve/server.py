@@ -27,7 +27,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     try:
-        problem = flag_problem(args) or tls_problem(args)
+        problem = flag_problem(args) or tls_problem(args) or adapter_problem(args)
         access = access_from_args(args) if problem is None else None  # keys read, the host checked: before bind
     except ValueError as exc:
         problem = str(exc)
@@ -92,6 +92,38 @@ def flag_problem(args: argparse.Namespace) -> str | None:
     return next((message for ok, message in checks if not ok), None)
 
 
+def adapter_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--adapter`` (before anything loads), said as the fix; None when it is good
+    or absent. An adapter is merged into one model's weights by the one-model worker, so it cannot go
+    with several models (``--model``) or the registry's flags; a folder that is not a LoRA adapter is
+    refused with the message ``minillm.load`` gives (``lora.check_adapter_folder``). Shapes that do not
+    fit the model are found by the load itself: GET /health then answers 503 with its error."""
+    from minillm.errors import AdapterError
+    from minillm.model.lora import check_adapter_folder
+
+    if not args.adapters:
+        return None
+    if args.models:
+        served = [args.model, *args.models]
+        return (
+            f"--adapter merges an adapter into one model's weights, but this server would serve {len(served)} "
+            f"models ({', '.join(served)}); serve the adapted model alone (minillm serve MODEL --adapter FOLDER) "
+            "and the others from another minillm serve (drop --model)"
+        )
+    if _several_models(args):
+        return (
+            "--adapter is served by the one-model server: it cannot go with --weight-dtype, --memory-budget, "
+            "--keep-alive, --max-loaded-models or a MODEL:DTYPE suffix (the several-model registry's flags); "
+            "drop those flags"
+        )
+    for folder in args.adapters:
+        try:
+            check_adapter_folder(folder)
+        except AdapterError as exc:
+            return f"--adapter {folder}: AdapterError: {exc}"
+    return None
+
+
 def tls_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with ``--ssl-certfile`` / ``--ssl-keyfile`` (both or neither; a pair Python's ssl
     loads), said as the fix; None when they are good or absent."""
@@ -122,6 +154,7 @@ def _one_model_app(args: argparse.Namespace, console: Console, speculative, acce
         args.model,
         metrics=metrics,
         served_name=served,
+        adapters=args.adapters,
         **worker_options(args, console),
         kv_cache_mib=args.kv_cache_mib if args.kv_cache_mib is not None else 512.0,
         events=EventBus(args.events_buffer, args.max_event_subscribers, log=console.print),
@@ -129,8 +162,10 @@ def _one_model_app(args: argparse.Namespace, console: Console, speculative, acce
         speculative=speculative,
     )
     app = create_app(worker, max_request_bytes=args.max_request_bytes, access=access)
+    adapted = f" + adapter{'s' * (len(args.adapters) > 1)} {', '.join(args.adapters)}" if args.adapters else ""
     console.print(
-        f"minillm serve: {served} on {base_url(args)} (loading in the background; GET /health answers 200 when ready)"
+        f"minillm serve: {served}{adapted} on {base_url(args)} (loading in the background; GET /health answers 200 "
+        "when ready)"
     )
     return app, worker.guard
 

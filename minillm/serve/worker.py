@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import minillm
 from minillm.runtime.loading import run_warmup
@@ -64,6 +65,8 @@ class Worker(Gauges):
         startup_delay_s: sleep this long before loading (tests and the lesson watch /health say 503).
         keep_traces: how many finished requests' traces ``trace()`` remembers (oldest dropped).
         events: the bus GET /v1/events reads (``events.py``); default a ring of 4096 events.
+        adapters: PEFT LoRA adapter folders merged into the weights at load (``minillm.load``'s
+            ``adapters``); a folder that does not fit fails the load (GET /health: 503 with the error).
     """
 
     def __init__(
@@ -89,8 +92,10 @@ class Worker(Gauges):
         events: EventBus | None = None,
         guard: Guard | None = None,
         speculative: minillm.Speculative | None = None,
+        adapters: list[str] | None = None,
     ):
         self.model_name, self.served_name = model_name, served_name or model_name
+        self.adapters = list(adapters or [])  # LoRA folders merged into the weights at load
         self.speculative = speculative  # the default for requests that do not name a draft
         self.metrics, self.request_timeout_s, self.max_seq_len = metrics, request_timeout_s, max_seq_len
         self.threads, self.warmup, self.startup_delay_s = threads, warmup, startup_delay_s
@@ -137,7 +142,8 @@ class Worker(Gauges):
         try:
             tracer = self._tracer()
             if model is None:
-                model = minillm.load(self.model_name, tracer=tracer, warmup=False, threads=self.threads, progress=False)
+                how = {"warmup": False, "threads": self.threads, "progress": False, "adapters": self.adapters or None}
+                model = minillm.load(self.model_name, tracer=tracer, **how)
             self.attach(model, tracer)
         except Exception as exc:  # noqa: BLE001 - reported by /health (503) rather than killing the server
             self.status, self.error = "failed", f"{type(exc).__name__}: {exc}"
@@ -201,8 +207,11 @@ class Worker(Gauges):
         return self if name == self.served_name else None
 
     def model_cards(self) -> list[dict]:
-        """GET /v1/models' one entry."""
-        return [{"id": self.served_name}]
+        """GET /v1/models' one entry; with LoRA adapters, ``adapters``: their names (the loaded ones',
+        before the load their folders' names), so a client sees which weights it is served."""
+        loaded = self.model.adapters if self.model is not None else []
+        names = [a.name for a in loaded] or [Path(p).expanduser().resolve().name for p in self.adapters]
+        return [{"id": self.served_name, **({"adapters": names} if names else {})}]
 
     def submit(self, job: Job) -> None:
         """Queue a job (arrival order). Raises QueueFullError when ``max_queue`` jobs already wait
