@@ -6,6 +6,7 @@ In this process (no Ray started) and through ``minillm deploy`` (exit status 2, 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from deployments import MODEL
 
 from minillm.deploy.config import IMPORT_PATH, DeployConfig
 from minillm.deploy.metrics import labelled
-from minillm.errors import InvalidRequestError, MemoryBudgetError, ModelNotFoundError
+from minillm.errors import AdapterError, InvalidRequestError, MemoryBudgetError, ModelNotFoundError
 from minillm.runtime.memory_plan import MIB
 
 
@@ -110,3 +111,47 @@ def test_without_ray_the_command_names_the_deploy_extra(monkeypatch, capsys):
     assert main(["deploy", MODEL]) == 2
     err = capsys.readouterr().err
     assert "MissingExtraError" in err and "deploy extra" in err and "ray" in err
+
+
+@pytest.mark.parametrize("broken", ["missing", "no-config"])
+def test_an_adapter_folder_that_is_no_adapter_is_refused_naming_the_path_and_the_fix(tmp_path, broken):
+    folder = tmp_path / "lora"
+    if broken == "no-config":
+        folder.mkdir()
+    with pytest.raises(AdapterError) as caught:
+        DeployConfig.from_args({"model": MODEL, "adapters": [str(folder)]}).check(available=10**15)
+    fix = {
+        "missing": f"adapter folder {folder} does not exist; pass the folder PEFT's save_pretrained wrote",
+        "no-config": f"{folder / 'adapter_config.json'} is missing; a PEFT adapter folder holds adapter_config.json",
+    }[broken]
+    assert str(caught.value).startswith(f"deploy config: adapters: {fix}")
+
+
+def test_adapters_are_absolute_replica_settings_in_the_config_file(tmp_path, monkeypatch):
+    """Relative folders are made absolute (the replicas read them from other processes); a change of
+    adapters changes the replicas' settings, so Ray rolls the replicas (as for weight_dtype)."""
+    monkeypatch.chdir(tmp_path)
+    config = DeployConfig(model=MODEL, adapters=["lora"])
+    assert config.adapters == [str(tmp_path / "lora")]
+    assert config.replica_settings()["adapters"] == [str(tmp_path / "lora")]
+    assert config.replica_settings() != DeployConfig(model=MODEL).replica_settings()
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(config.serve_config()))
+    assert yaml.safe_load(path.read_text())["applications"][0]["args"]["adapters"] == [str(tmp_path / "lora")]
+    assert DeployConfig.from_file(path) == config
+    assert DeployConfig(model=MODEL).adapters == []
+
+
+def test_the_command_refuses_a_missing_adapter_before_ray_starts(tmp_path):
+    missing = tmp_path / "no-such-lora"
+    run = subprocess.run(
+        [sys.executable, "-m", "minillm", "deploy", MODEL, "--adapter", str(missing), "--port", "8999"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert run.returncode == 2
+    message = " ".join(run.stderr.split())
+    assert f"error: AdapterError: deploy config: adapters: adapter folder {missing} does not exist" in message
+    assert "Ray" not in run.stdout + run.stderr.split("error:")[0]  # no local Ray instance was started
