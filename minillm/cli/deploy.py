@@ -3,6 +3,7 @@
     minillm deploy smollm2-135m-instruct --replicas 2 --threads 1 --port 8000
     minillm deploy --config fleet.yaml            # Ray Serve's config file; edit it: a rolling update
     minillm deploy MODEL --write-config fleet.yaml   # write that file and exit (Ray's `serve run` reads it)
+    minillm deploy MODEL --adapter ./my-lora      # every replica merges the LoRA adapter at load
 
 The settings are checked (model, budget, replicas x memory) before Ray starts. Ctrl-C (or SIGTERM)
 stops the application, Serve and the local Ray cluster with its processes.

@@ -15,11 +15,16 @@ with one ``minillm serve``, routed by prefix, rolled to other weights. One deplo
 - a rolling update (the config file's ``weight_dtype`` float32 -> bfloat16) while 20 streams are in
   flight: 0 failed, every stream's text equal to the undisturbed run's, and afterwards every answer
   comes from a new replica holding bfloat16 weights; each old replica stopped after its streams;
+- a rolling update to a LoRA adapter (the config file's ``adapters`` [] -> [FOLDER]) while 6 streams
+  are in flight: 0 failed, every stream's text the base model's, and afterwards each new replica
+  answers with the adapter merged (its text equal to ``minillm.generate`` on the model loaded with
+  the adapter in this process, ``x-minillm-adapters`` and its /v1/models card naming it);
 - after SIGINT, no process of a deployment (the command, Ray's, the replicas) is left.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import threading
@@ -29,9 +34,11 @@ import httpx
 import pytest
 import yaml
 from deployments import MODEL, running_deployment, wait_for_line
+from lora_folders import smollm2_adapter
 from openai import OpenAI
 from servers import running_server
 
+import minillm
 from benchmarks.server_process import free_port
 from benchmarks.shared_prefixes import run_workload
 from minillm.deploy.config import DeployConfig
@@ -165,12 +172,13 @@ def stream(url: str, prompt: str, started: threading.Event, out: dict) -> None:
         started.set()
 
 
-def twenty_streams(url: str, during=None) -> list[dict]:
-    """20 streams at once (the 5 prompts 4 times); ``during()`` runs once every one has its first chunk."""
-    outs = [{} for _ in range(20)]
-    started = [threading.Event() for _ in range(20)]
+def twenty_streams(url: str, during=None, count: int = 20) -> list[dict]:
+    """20 (``count``) streams at once (the 5 prompts in turn); ``during()`` runs once every one has its first chunk."""
+    outs = [{} for _ in range(count)]
+    started = [threading.Event() for _ in range(count)]
     threads = [
-        threading.Thread(target=stream, args=(url, PROMPTS[i % 5], started[i], outs[i]), daemon=True) for i in range(20)
+        threading.Thread(target=stream, args=(url, PROMPTS[i % 5], started[i], outs[i]), daemon=True)
+        for i in range(count)
     ]
     for t in threads:
         t.start()
@@ -207,3 +215,56 @@ def test_rolling_update_under_20_streams(fleet):
     assert (
         len(re.findall(r"replica (\S+) stopped: Ray let the requests it served end first", log.read_text()[mark:])) == 2
     )
+
+
+ADAPTER = "smollm2-lora-test"  # tests/support/lora_folders.py's adapter, in a folder of this name
+
+
+def adapted_answers(weight_dtype: str, adapter) -> dict[str, str]:
+    """Each of the PROMPTS' greedy completion (8 tokens, as ``stream``'s) by the model held at
+    ``weight_dtype`` with ``adapter`` merged, in this process (the model freed after)."""
+    model = minillm.load(MODEL, weight_dtype=weight_dtype, adapters=[adapter], threads=1, progress=False)
+    greedy = minillm.SamplingParams(temperature=0.0)
+    answers = {p: minillm.generate(model, p, greedy, max_new_tokens=8).text for p in PROMPTS}
+    del model
+    gc.collect()
+    return answers
+
+
+def test_rolling_update_to_an_adapter_under_6_streams(fleet, tmp_path_factory):
+    """From no adapter to one: the fleet's weight dtype is kept (float32, or bfloat16 after the test above)."""
+    url, log, config = fleet
+    held = DeployConfig.from_file(config).weight_dtype
+    adapter = smollm2_adapter(tmp_path_factory.mktemp("lora") / ADAPTER)
+    expected = adapted_answers(held, adapter)
+    undisturbed = twenty_streams(url, count=6)
+    base = {PROMPTS[i % 5]: o.get("text") for i, o in enumerate(undisturbed)}
+    assert all(base.values()) and all(expected[p] != base[p] for p in base), (base, expected)  # the adapter shows
+    plain = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert plain.headers["x-minillm-adapters"] == "none"
+    mark = len(log.read_text())
+    change = lambda: write_config(config, router="prefix", weight_dtype=held, adapters=[str(adapter)])  # noqa: E731
+    disturbed = twenty_streams(url, during=change, count=6)
+    assert [o.get("error") for o in disturbed] == [None] * 6  # 0 failed requests
+    assert [o["text"] for o in disturbed] == [o["text"] for o in undisturbed]  # begun on the base weights
+    wait_for_line(log, r"config changed: rolling update", None, 30, after=mark)
+    deadline = time.monotonic() + 300
+    ready = rf"replica (\S+) \({held}, adapter {ADAPTER}\).*ready \(warmed\)"
+    while len(new := re.findall(ready, log.read_text()[mark:])) < 2:
+        assert time.monotonic() < deadline, log.read_text()[mark:]
+        time.sleep(0.5)
+    wait_for_line(log, r"config applied: replicas running 2 \(healthy\)", None, 120, after=mark)
+    for replica in new:  # each new replica, asked by name: the adapter's text, and its card names it
+        pinned = {"x-minillm-replica": replica}
+        for prompt in PROMPTS[:2]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            answer = httpx.post(url + "/v1/completions", json=body, headers=pinned, timeout=300)
+            assert answer.headers["x-minillm-replica"] == replica and answer.headers["x-minillm-adapters"] == ADAPTER
+            assert answer.json()["choices"][0]["text"] == expected[prompt]
+        card = httpx.get(url + f"/v1/models/{MODEL}", headers=pinned).json()
+        assert card["adapters"] == [ADAPTER]
+    said = r"replica (\S+) stopped: Ray let the requests it served end first"
+    while len(stopped := re.findall(said, log.read_text()[mark:])) < 2:  # Ray's workers' lines reach the log late
+        assert time.monotonic() < deadline, log.read_text()[mark:]
+        time.sleep(0.5)
+    assert len(stopped) == 2 and not set(stopped) & set(new)  # the two old replicas, each after its requests
