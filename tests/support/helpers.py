@@ -117,10 +117,11 @@ def batched_decode_logits(model, batch: int, steps: int = 2) -> np.ndarray:
     logits ``[steps, batch, vocab]``, the rows' greedy ids fed back."""
     from minillm.model.paged_kv_cache import KVCachePool
 
-    cfg = model.config
-    pool = KVCachePool.for_model(cfg, kv_cache_mib=batch * 8 * 16 * cfg.kv_bytes_per_token() / 2**20)
+    cfg, longest = model.config, 40 + batch + steps + 1
+    blocks = batch * -(-longest // 16)  # each row's blocks of 16 positions, no more (Gemma 3: 37 KB a position)
+    pool = KVCachePool.for_model(cfg, kv_cache_mib=(blocks + 0.5) * 16 * cfg.kv_bytes_per_token() / 2**20)  # floor: blocks
     rng = np.random.default_rng(batch)
-    seqs = [pool.sequence(40 + batch + steps + 1) for _ in range(batch)]
+    seqs = [pool.sequence(longest) for _ in range(batch)]
     for r, seq in enumerate(seqs):
         pool.grow(seq, 40 + r)
         model.forward(rng.integers(0, cfg.vocab_size, 40 + r), seq, last_only=True)
