@@ -126,7 +126,8 @@ class DeployConfig:
             available: bytes the machine can give replicas (default: psutil's available memory).
 
         Raises:
-            InvalidRequestError: replica counts or a dtype out of range; an unknown router.
+            InvalidRequestError: replica counts or a dtype out of range; an unknown router; adapters
+                with ``weight_dtype`` gguf (packed blocks cannot be merged into).
             AdapterError: an adapter folder that is missing, or holds no adapter_config.json or
                 adapter_model.safetensors (the message names the path and the fix).
             ModelNotFoundError: an unknown model (as ``minillm serve``).
@@ -168,9 +169,15 @@ class DeployConfig:
 
     def _check_adapters(self) -> None:
         """Each adapter folder as ``minillm.load`` would first read it (no tensor read: the shapes are
-        checked by each replica's load, which then fails and starts no traffic to it)."""
+        checked by each replica's load, which then fails and starts no traffic to it), and a
+        ``weight_dtype`` they can be merged into (not packed GGUF blocks)."""
         from minillm.model.lora import check_adapter_folder
 
+        if self.adapters and self.weight_dtype == "gguf":  # as loading.check_weight_dtype refuses it
+            raise InvalidRequestError(
+                "deploy config: adapters cannot be merged into weight_dtype gguf: the weights stay packed GGUF "
+                "blocks, and a LoRA delta is merged into float32 rows; use weight_dtype float32, bfloat16 or int8"
+            )
         for folder in self.adapters:
             try:
                 check_adapter_folder(folder)

@@ -54,7 +54,7 @@ def add_commands(sub) -> None:
         action="append",
         default=[],
         metavar="FOLDER",
-        help="a PEFT LoRA adapter folder merged into the weights at load (repeatable; one model only); "
+        help="a PEFT LoRA adapter folder merged into every served model's weights at load (repeatable); "
         "GET /v1/models names it",
     )
     _add_engine_args(s)

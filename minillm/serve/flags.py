@@ -30,3 +30,8 @@ def worker_options(args: argparse.Namespace, console: Console) -> dict:
 def base_url(args: argparse.Namespace) -> str:
     """``http://host:port``, or ``https://`` with ``--ssl-certfile``: where clients reach the server."""
     return f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
+
+
+def adapted(args: argparse.Namespace) -> str:
+    """The banner's `` + adapter FOLDER`` (``s`` for several), or "" without ``--adapter``."""
+    return f" + adapter{'s' * (len(args.adapters) > 1)} {', '.join(args.adapters)}" if args.adapters else ""

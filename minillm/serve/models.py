@@ -66,7 +66,7 @@ class ModelRegistry:
         events: the one event stream of every model (default: a ring of 4096 events).
         speculative: the draft a request that names none gets, or None.
         worker_options: the :class:`~minillm.serve.worker.Worker` arguments every slot shares
-            (max_num_seqs, block_size, ...).
+            (max_num_seqs, block_size, ``adapters`` merged into every model at its load, ...).
 
     Raises:
         MemoryBudgetError: a model that cannot hold one full-context request within the budget
@@ -166,7 +166,8 @@ class ModelRegistry:
         return self.runtime_bytes + sum(s.plan.model_bytes for s in self.slots.values() if s.state != "unloaded")
 
     def model_cards(self) -> list[dict]:
-        """``/v1/models``' entries: state, readiness, weight dtype, resident bytes, last use (Unix s)."""
+        """``/v1/models``' entries: state, readiness, weight dtype, resident bytes, last use (Unix s), and
+        the LoRA ``adapters`` merged into it (``Worker.adapter_card``)."""
         return [
             {
                 "id": name,
@@ -180,6 +181,7 @@ class ModelRegistry:
                 "planned_bytes": s.plan.model_bytes,
                 "last_use": s.last_use,
                 "loads": s.loads,
+                **s.adapter_card(),
             }  # fmt: skip
             for name, s in self.slots.items()
         ]

@@ -13,7 +13,7 @@ from rich.table import Table
 from minillm.errors import MiniLLMError
 from minillm.runtime.memory_plan import MemoryPlan, format_bytes
 
-from .flags import base_url, worker_options
+from .flags import adapted, base_url, worker_options
 from .models import ModelRegistry, ModelSpec
 
 
@@ -53,6 +53,7 @@ def build_registry(args: argparse.Namespace, console: Console, speculative=None)
         guard=Guard(metrics, stream_buffer=args.stream_buffer, test_faults=args.test_faults),
         events=EventBus(args.events_buffer, args.max_event_subscribers, log=console.print),
         speculative=speculative,
+        adapters=args.adapters,  # merged into every model's weights at its load
         **worker_options(args, console),
     )
     registry.plan_all()
@@ -102,7 +103,7 @@ def build_registry_app(args: argparse.Namespace, console: Console, err: Console,
     add_routes(app, registry)
     names = ", ".join(registry.slots)
     console.print(
-        f"minillm serve: {names} on {base_url(args)} (loading {registry.specs[0].served} in the "
+        f"minillm serve: {names}{adapted(args)} on {base_url(args)} (loading {registry.specs[0].served} in the "
         "background; GET /health answers 200 when it is ready, the others load on demand)"
     )
     return app, registry.guard

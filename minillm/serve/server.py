@@ -94,28 +94,26 @@ def flag_problem(args: argparse.Namespace) -> str | None:
 
 def adapter_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with ``--adapter`` (before anything loads), said as the fix; None when it is good
-    or absent. An adapter is merged into one model's weights by the one-model worker, so it cannot go
-    with several models (``--model``) or the registry's flags; a folder that is not a LoRA adapter is
-    refused with the message ``minillm.load`` gives (``lora.check_adapter_folder``). Shapes that do not
-    fit the model are found by the load itself: GET /health then answers 503 with its error."""
+    or absent. Every served model merges the adapters into its weights at load (one model, or each of
+    the registry's); a folder that is not a LoRA adapter is refused with the message ``minillm.load``
+    gives (``lora.check_adapter_folder``), and so is a model held as packed GGUF blocks (the case
+    ``loading.check_weight_dtype`` refuses). Shapes that do not fit a model are found by its load: GET /health then
+    answers 503 with the error (the first model), or that model's requests get it (a later one)."""
     from minillm.errors import AdapterError
     from minillm.model.lora import check_adapter_folder
 
+    from .model_spec import ModelSpec
+
     if not args.adapters:
         return None
-    if args.models:
-        served = [args.model, *args.models]
-        return (
-            f"--adapter merges an adapter into one model's weights, but this server would serve {len(served)} "
-            f"models ({', '.join(served)}); serve the adapted model alone (minillm serve MODEL --adapter FOLDER) "
-            "and the others from another minillm serve (drop --model)"
-        )
-    if _several_models(args):
-        return (
-            "--adapter is served by the one-model server: it cannot go with --weight-dtype, --memory-budget, "
-            "--keep-alive, --max-loaded-models or a MODEL:DTYPE suffix (the several-model registry's flags); "
-            "drop those flags"
-        )
+    for text in (args.model, *args.models):
+        if ModelSpec.parse(text).weight_dtype == "gguf":  # as check_weight_dtype (--weight-dtype has no gguf)
+            return (
+                f"--adapter cannot be merged into {text} held at gguf: its weights stay packed GGUF blocks, "
+                "and a LoRA delta is merged into float32 rows; serve it at float32, bfloat16 or int8 "
+                "(drop its :gguf)"
+            )
+
     for folder in args.adapters:
         try:
             check_adapter_folder(folder)
@@ -143,7 +141,7 @@ def _one_model_app(args: argparse.Namespace, console: Console, speculative, acce
     ``access``: keys, quotas and the rest (``auth.Access``; None: an open server)."""
     from .app import create_app
     from .events import EventBus
-    from .flags import base_url, worker_options
+    from .flags import adapted, base_url, worker_options
     from .metrics import ServerMetrics
     from .reliability import Guard
     from .worker import Worker
@@ -162,10 +160,9 @@ def _one_model_app(args: argparse.Namespace, console: Console, speculative, acce
         speculative=speculative,
     )
     app = create_app(worker, max_request_bytes=args.max_request_bytes, access=access)
-    adapted = f" + adapter{'s' * (len(args.adapters) > 1)} {', '.join(args.adapters)}" if args.adapters else ""
     console.print(
-        f"minillm serve: {served}{adapted} on {base_url(args)} (loading in the background; GET /health answers 200 "
-        "when ready)"
+        f"minillm serve: {served}{adapted(args)} on {base_url(args)} (loading in the background; GET /health "
+        "answers 200 when ready)"
     )
     return app, worker.guard
 

@@ -68,9 +68,8 @@ class ModelSlot(Worker):
         self.state = "loading"
         self._phase("loading")
         t0 = time.perf_counter()
-        self.model = minillm.load(
-            self.spec.source, warmup=False, threads=self.threads, progress=False, weight_dtype=self.spec.weight_dtype
-        )
+        how = {"threads": self.threads, "weight_dtype": self.spec.weight_dtype, "adapters": self.adapters or None}
+        self.model = minillm.load(self.spec.source, warmup=False, progress=False, **how)
         t1 = time.perf_counter()
         ws = self.model.transformer.weights.seconds
         read = ws.get("read", 0.0) + ws.get("map", 0.0)

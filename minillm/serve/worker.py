@@ -207,11 +207,15 @@ class Worker(Gauges):
         return self if name == self.served_name else None
 
     def model_cards(self) -> list[dict]:
-        """GET /v1/models' one entry; with LoRA adapters, ``adapters``: their names (the loaded ones',
-        before the load their folders' names), so a client sees which weights it is served."""
+        """GET /v1/models' one entry, with ``adapters`` when LoRA adapters are merged (:meth:`adapter_card`)."""
+        return [{"id": self.served_name, **self.adapter_card()}]
+
+    def adapter_card(self) -> dict:
+        """``{"adapters": names}`` of the LoRA adapters (the loaded ones', before the load, or unloaded, their
+        folders' names), so a client sees which weights it is served; ``{}`` without adapters."""
         loaded = self.model.adapters if self.model is not None else []
         names = [a.name for a in loaded] or [Path(p).expanduser().resolve().name for p in self.adapters]
-        return [{"id": self.served_name, **({"adapters": names} if names else {})}]
+        return {"adapters": names} if names else {}
 
     def submit(self, job: Job) -> None:
         """Queue a job (arrival order). Raises QueueFullError when ``max_queue`` jobs already wait

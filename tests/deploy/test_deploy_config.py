@@ -14,6 +14,7 @@ import pytest
 import yaml
 from deployments import MODEL
 
+import minillm
 from minillm.deploy.config import IMPORT_PATH, DeployConfig
 from minillm.deploy.metrics import labelled
 from minillm.errors import AdapterError, InvalidRequestError, MemoryBudgetError, ModelNotFoundError
@@ -125,6 +126,19 @@ def test_an_adapter_folder_that_is_no_adapter_is_refused_naming_the_path_and_the
         "no-config": f"{folder / 'adapter_config.json'} is missing; a PEFT adapter folder holds adapter_config.json",
     }[broken]
     assert str(caught.value).startswith(f"deploy config: adapters: {fix}")
+
+
+def test_adapters_with_packed_gguf_weights_are_refused_before_any_folder_is_read(tmp_path):
+    """A LoRA delta cannot be merged into packed GGUF blocks: refused by the check, with load's fix."""
+    config = DeployConfig.from_args({"model": MODEL, "weight_dtype": "gguf", "adapters": [str(tmp_path / "lora")]})
+    with pytest.raises(InvalidRequestError) as caught:
+        config.check(available=10**15)
+    assert str(caught.value) == (
+        "deploy config: adapters cannot be merged into weight_dtype gguf: the weights stay packed GGUF blocks, "
+        "and a LoRA delta is merged into float32 rows; use weight_dtype float32, bfloat16 or int8"
+    )
+    with pytest.raises(InvalidRequestError, match="weight_dtype='gguf' keeps the GGUF's blocks packed"):
+        minillm.load(MODEL, weight_dtype="gguf", adapters=[tmp_path / "lora"])  # the load refuses it as well
 
 
 def test_adapters_are_absolute_replica_settings_in_the_config_file(tmp_path, monkeypatch):

@@ -3,8 +3,11 @@
 - through the official ``openai`` client, greedy chat and completion answers (8 tokens) equal
   ``minillm.generate`` on ``minillm.load(MODEL, adapters=[FOLDER])`` in this process, and differ from
   the base model's; GET /v1/models' card names the adapter;
-- with a second model (``--model``) or a registry flag, ``--adapter`` is refused before anything
-  loads (exit status 2, the problem and the fix);
+- with several models (``SERVERS["several"]``: MODEL and its int8 twin, a budget for one) every model
+  merges the adapter at its load: both answer as ``minillm.load(MODEL, weight_dtype, adapters=[FOLDER])``
+  does here (the int8 one loaded on demand, after MODEL's eviction) and both cards name it;
+- a model held as packed GGUF blocks (``MODEL:gguf``) cannot merge it (as
+  ``minillm.load`` refuses it): refused before anything loads (exit status 2, the problem and the fix);
 - a folder that is no adapter (missing, or without adapter_config.json) is refused before the bind
   with the message ``minillm.load`` gives; an adapter whose shapes do not fit fails the load, and
   GET /health answers 503 with that error (the pattern of every load failure).
@@ -21,11 +24,11 @@ import pytest
 from cli_runs import run_cli
 from lora_folders import smollm2_adapter
 from openai import OpenAI
-from servers import MODEL, SECOND, running_server, wait_for
+from servers import MODEL, SECOND, SERVERS, running_server, wait_for
 
 import minillm
 from benchmarks.server_process import free_port
-from minillm.errors import AdapterError
+from minillm.errors import AdapterError, InvalidRequestError
 from minillm.model import lora
 
 PROMPT = "The capital of France is"
@@ -50,12 +53,15 @@ def greedy_answers(model) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def expected(smollm2, adapter):
-    """The base model's answers (the session's SmolLM2) and the adapted model's (loaded here, freed after)."""
-    adapted = minillm.load(MODEL, adapters=[adapter], progress=False)
-    assert [a.name for a in adapted.adapters] == [NAME] and adapted.adapters[0].mode == "merged"
-    answers = {"base": greedy_answers(smollm2), "adapted": greedy_answers(adapted)}
-    del adapted
-    gc.collect()
+    """The base model's answers (the session's SmolLM2) and the adapted model's at float32 and int8
+    (each loaded here, freed after)."""
+    answers = {"base": greedy_answers(smollm2)}
+    for key, weight_dtype in (("adapted", "float32"), ("adapted int8", "int8")):
+        adapted = minillm.load(MODEL, adapters=[adapter], weight_dtype=weight_dtype, progress=False)
+        assert [a.name for a in adapted.adapters] == [NAME] and adapted.adapters[0].mode == "merged"
+        answers[key] = greedy_answers(adapted)
+        del adapted
+        gc.collect()
     return answers
 
 
@@ -80,19 +86,37 @@ def test_the_server_answers_with_the_adapter_merged(tmp_path, adapter, expected)
     assert f"minillm serve: {MODEL} + adapter {adapter} on " in " ".join(log.read_text().split())
 
 
-@pytest.mark.parametrize(
-    ("flags", "words"),
-    [
-        (("--model", SECOND), f"this server would serve 2 models ({MODEL}, {SECOND}); serve the adapted model alone"),
-        (("--weight-dtype", "int8"), "--adapter is served by the one-model server: it cannot go with --weight-dtype"),
-    ],
-    ids=["several-models", "registry-flag"],
-)
-def test_an_adapter_with_several_models_is_refused_before_anything_loads(adapter, flags, words):
-    run = run_cli("serve", MODEL, "--adapter", str(adapter), *flags, "--port", str(free_port()), timeout=120)
+def test_every_model_of_a_several_model_server_merges_the_adapter(tmp_path, adapter, expected):
+    """MODEL is loaded at start; asking for SECOND evicts it (the budget holds one) and loads SECOND with
+    the adapter merged into its float32 rows before they are held at int8."""
+    flags = (*SERVERS["several"], "--adapter", str(adapter), "--verbosity", "quiet")
+    with running_server(tmp_path, *flags) as (url, log):
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        got = {}
+        for model in (MODEL, SECOND):
+            chat = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=TOKENS, temperature=0)
+            completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0)
+            got[model] = {"completion": completion.choices[0].text, "chat": chat.choices[0].message.content}
+        cards = httpx.get(url + "/v1/models").json()["data"]
+    assert got == {MODEL: expected["adapted"], SECOND: expected["adapted int8"]}
+    assert [(c["id"], c["state"], c["adapters"]) for c in cards] == [
+        (MODEL, "unloaded", [NAME]),
+        (SECOND, "loaded", [NAME]),
+    ]
+    assert f"minillm serve: {MODEL}, {SECOND} + adapter {adapter} on " in " ".join(log.read_text().split())
+
+
+def test_an_adapter_with_packed_gguf_weights_is_refused_before_anything_loads(adapter):
+    served = f"{MODEL}:gguf"  # (--weight-dtype has no gguf choice: only a model's suffix asks for it)
+    run = run_cli("serve", MODEL, "--adapter", str(adapter), "--model", served, "--port", str(free_port()), timeout=120)
     message = " ".join(run.stderr.split())
     assert run.returncode == 2, run.stdout + run.stderr
-    assert words in message and message.startswith("error: --adapter ")
+    assert message == (
+        f"error: --adapter cannot be merged into {served} held at gguf: its weights stay packed GGUF blocks, and "
+        "a LoRA delta is merged into float32 rows; serve it at float32, bfloat16 or int8 (drop its :gguf)"
+    )
+    with pytest.raises(InvalidRequestError, match="weight_dtype='gguf' keeps the GGUF's blocks packed"):
+        minillm.load(MODEL, weight_dtype="gguf", adapters=[adapter])  # the load refuses it as well
     assert run.stdout == ""  # no plan, no banner: nothing loaded
 
 
