@@ -130,13 +130,14 @@ class MiniLLMReplica:
 
     def record_routing_stats(self) -> dict:
         """What the prefix router reads (router.py): this pool's cached block hashes (hex), the hashes'
-        identity (hex), its block size and its requests running and waiting."""
+        identity (hex), its block size and count, and its requests running and waiting."""
         worker = self.worker
         pool = worker.pool
         return {
             "blocks": [h.hex() for h in list(pool.cached)],
             "identity": self.identity,
             "block_size": pool.block_size,
+            "num_blocks": pool.num_blocks,
             "load": worker.running + worker.waiting,
         }
 

@@ -4,9 +4,11 @@
                                  worker renders them) -> the block hash chain of the paged pool
                                  (``model.paged_kv_cache.block_hashes``, under the replica's identity)
     each replica's stats      -> the hashes its pool holds (``replica.record_routing_stats``), plus
-                                 every prompt this router ever sent it (its stats lag a period
-                                 behind; kept after the pool evicts them, so a prefix sticks to
-                                 its replica, which computes it again)
+                                 the prompts this router sent it (its stats lag a period behind;
+                                 kept after the pool evicts them, so a prefix sticks to its
+                                 replica, which computes it again): the most recent
+                                 ``remembered_pools`` x its pool's blocks, forgotten oldest first,
+                                 and all of them when the replica leaves (rolled, scaled down)
     choose                    -> the replica with the longest run of held blocks from the start;
                                  when replicas are imbalanced (their queues differ by more than
                                  ``imbalanced_threshold``) or nothing matches: the least loaded
@@ -21,7 +23,7 @@ this one reads the pool's own block hashes, so a match is a block the replica re
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -30,17 +32,50 @@ from minillm.model.paged_kv_cache import block_hashes
 
 class PrefixRouter(RequestRouter):
     """A Ray Serve ``RequestRouter`` over minillm replicas (``request_router_kwargs``: ``model``,
-    ``imbalanced_threshold`` in queued requests)."""
+    ``imbalanced_threshold`` in queued requests, ``block_size``, ``remembered_pools``: how many of a
+    replica's pools of block hashes the router remembers having sent it, the most recent first)."""
+
+    #: blocks remembered for a replica whose stats have not come yet (no pool size known)
+    REMEMBERED_WITHOUT_STATS = 4096
 
     def initialize_state(
-        self, model: str = "smollm2-135m-instruct", imbalanced_threshold: int = 8, block_size: int = 16
+        self,
+        model: str = "smollm2-135m-instruct",
+        imbalanced_threshold: int = 8,
+        block_size: int = 16,
+        remembered_pools: int = 4,
     ):
         from minillm.sources.plan_files import plan_folder
         from minillm.text.tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_folder(plan_folder(model))
         self.imbalanced_threshold, self.block_size = imbalanced_threshold, block_size
-        self.sent: dict = defaultdict(set)  # replica id -> hashes ever routed to it (never dropped: affinity)
+        self.remembered_pools = remembered_pools
+        # replica id -> the hashes routed to it, least recently sent first (bounded: remember())
+        self.sent: dict = defaultdict(OrderedDict)
+
+    def update_replicas(self, replicas: list[RunningReplica]):
+        """Ray's new set of running replicas: forget what was sent to the ones gone."""
+        super().update_replicas(replicas)
+        self.forget_all_but({r.replica_id for r in replicas})
+
+    def forget_all_but(self, running: set) -> None:
+        """Drop the hashes sent to replicas not in ``running`` (replica ids): their pools are gone."""
+        for gone in [replica_id for replica_id in self.sent if replica_id not in running]:
+            del self.sent[gone]
+
+    def remember(self, replica: RunningReplica, hashes: list[bytes]) -> None:
+        """``hashes`` were just sent to ``replica``: the most recent, kept up to ``remembered_pools`` x
+        the blocks of its pool (its stats' ``num_blocks``), the least recently sent forgotten first, and
+        of one prompt its deepest blocks first (a match runs from the first block: a tree loses leaves)."""
+        sent = self.sent[replica.replica_id]
+        for h in reversed(hashes):  # a prompt's first block the most recent: its deepest blocks go first
+            sent[h.hex()] = None
+            sent.move_to_end(h.hex())
+        pool_blocks = (replica.routing_stats or {}).get("num_blocks")
+        limit = self.remembered_pools * pool_blocks if pool_blocks else self.REMEMBERED_WITHOUT_STATS
+        while len(sent) > limit:
+            sent.popitem(last=False)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -64,12 +99,13 @@ class PrefixRouter(RequestRouter):
         best = max(held.values(), default=0)
         if spread <= self.imbalanced_threshold and best > 0:
             by_load.sort(key=lambda r: held[r.replica_id] != best)  # stable: by load among the best
-        self.sent[by_load[0].replica_id].update(h.hex() for h in block_hashes(ids, self.block_size))
+        self.remember(by_load[0], block_hashes(ids, self.block_size))
         return [by_load[:1], by_load[1:]]
 
     def matched(self, replica: RunningReplica, ids: list[int]) -> int:
         """How many of ``ids``' leading full blocks ``replica`` holds: in its pool (its stats, hashed
-        under its identity) or ever sent to it by this router (hashed under no identity)."""
+        under its identity) or sent to it by this router, as far as it remembers (:meth:`remember`;
+        hashed under no identity)."""
         stats = replica.routing_stats or {}
         size = stats.get("block_size", self.block_size)
         pooled = set(stats.get("blocks", ()))
@@ -85,7 +121,7 @@ class PrefixRouter(RequestRouter):
     def holding(self, replica: RunningReplica) -> int:
         """How many block hashes ``replica`` holds (its stats, and all this router sent it)."""
         stats = replica.routing_stats or {}
-        return len(set(stats.get("blocks", ())) | self.sent[replica.replica_id])
+        return len(set(stats.get("blocks", ())) | self.sent[replica.replica_id].keys())
 
 
 def asked_replica(pending_request: PendingRequest | None) -> str | None:
