@@ -119,7 +119,7 @@ class PrefixRouter(RequestRouter):
         return n
 
     def holding(self, replica: RunningReplica) -> int:
-        """How many block hashes ``replica`` holds (its stats, and all this router sent it)."""
+        """How many block hashes ``replica`` holds (its stats, and what this router remembers sending it)."""
         stats = replica.routing_stats or {}
         return len(set(stats.get("blocks", ())) | self.sent[replica.replica_id].keys())
 

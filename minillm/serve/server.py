@@ -95,10 +95,10 @@ def flag_problem(args: argparse.Namespace) -> str | None:
 def adapter_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with ``--adapter`` (before anything loads), said as the fix; None when it is good
     or absent. Every served model merges the adapters into its weights at load (one model, or each of
-    the registry's); a folder that is not a LoRA adapter is refused with the message ``minillm.load``
-    gives (``lora.check_adapter_folder``), and so is a model held as packed GGUF blocks (the case
-    ``loading.check_weight_dtype`` refuses). Shapes that do not fit a model are found by its load: GET /health then
-    answers 503 with the error (the first model), or that model's requests get it (a later one)."""
+    the registry's). Refused: a folder that is not a LoRA adapter, with the message ``minillm.load``
+    gives (``lora.check_adapter_folder``), and a model held as packed GGUF blocks (the case
+    ``loading.check_weight_dtype`` refuses). Shapes that do not fit a model are found by its load:
+    GET /health then answers 503 with the error (the first model), or its requests get it (a later one)."""
     from minillm.errors import AdapterError
     from minillm.model.lora import check_adapter_folder
 
@@ -113,7 +113,6 @@ def adapter_problem(args: argparse.Namespace) -> str | None:
                 "and a LoRA delta is merged into float32 rows; serve it at float32, bfloat16 or int8 "
                 "(drop its :gguf)"
             )
-
     for folder in args.adapters:
         try:
             check_adapter_folder(folder)

@@ -96,9 +96,8 @@ def transformers_gemma3(gemma3_folder, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def gemma3(transformers_gemma3):
-    """Gemma 3 270M loaded with minillm, after transformers' answers are in (its process ended); the freed
-    heap is handed back before the load and after the module (the 3 GB budget a process)."""
-    release_memory()
+    """Gemma 3 270M loaded with minillm, after transformers' answers are in (its process ended); its heap
+    is handed back after the module (the 3 GB budget a process)."""
     model = minillm.load(NAME, progress=False)
     yield model
     del model

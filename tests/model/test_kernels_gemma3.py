@@ -34,7 +34,6 @@ def both():
     Memory-mapped: the kernels read the same float32 weights, and the load does not copy them into
     memory of its own. An eager load's peak is the mapped file and the copy at once (alone: 1.55 GB
     against 1.40 GB mapped), which sat at 2.89 to 2.99 GB of the 3 GB budget beside the session's models."""
-    release_memory()  # the heap earlier modules freed, handed back before the load
     model = minillm.load("gemma3-270m", progress=False, mmap=True)
     assert model.transformer.weights.mapped
     assert isinstance(model.transformer.kernels, TunedKernels)  # TUNED, prepared for its weights
